@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# GPU job: keep the machine's own CUDA torch (never install one here), install reffsdp
+# without dependencies, then run the CUDA tests and the CPU suite on the same build.
+# Usage: bash ci/gpu.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visible'"
+python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+python -m pip install --quiet --disable-pip-version-check pytest pytest-timeout parameterized coverage
+python -m pytest -p no:cacheprovider --device cuda -m "gpu or multiprocess" "$@"

@@ -1,0 +1,1 @@
+"""reffsdp: a readable reference implementation of PyTorch Fully Sharded Data Parallel."""

@@ -1,0 +1,160 @@
+"""The one place reffsdp issues collectives.
+
+Every all-gather, reduce-scatter, all-reduce and broadcast that reffsdp runs goes through
+the functions below. That gives tests a single seam: :func:`intercept` swaps the
+collective one rank issues, without monkeypatching module globals.
+
+[Note: torch versions]
+torch 2.13 adds ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` and deprecates
+``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (they warn, then forward). torch 2.11
+has only the old names. We look the function up on ``torch.distributed`` at call time, the
+new name first, so no deprecation warning reaches users and a test that monkeypatches
+``torch.distributed`` still sees our calls.
+
+[Note: interception is per rank]
+Interceptors are keyed by the caller's global rank. Under the threaded process group every
+rank is a thread of one process; keying by rank gives each rank's interceptor only its own
+calls, exactly as in a multi-process run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+
+class Collective(enum.Enum):
+    """Kinds of collective, as counted by the comm counter and seen by interceptors."""
+
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    BROADCAST = "broadcast"
+    ALL_TO_ALL = "all_to_all"
+    BARRIER = "barrier"
+    GATHER = "gather"
+    SCATTER = "scatter"
+    REDUCE = "reduce"
+
+
+def torch_all_gather() -> Callable[..., Any]:
+    """``dist.all_gather_single`` where torch has it, else ``dist.all_gather_into_tensor``."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def torch_reduce_scatter() -> Callable[..., Any]:
+    """``dist.reduce_scatter_single`` where torch has it, else ``dist.reduce_scatter_tensor``."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _torch_collective(kind: Collective) -> Callable[..., Any]:
+    if kind is Collective.ALL_GATHER:
+        return torch_all_gather()
+    if kind is Collective.REDUCE_SCATTER:
+        return torch_reduce_scatter()
+    if kind is Collective.ALL_REDUCE:
+        return dist.all_reduce
+    if kind is Collective.BROADCAST:
+        return dist.broadcast
+    raise ValueError(f"reffsdp issues no {kind.value} collective")
+
+
+_interceptors: dict[tuple[Collective, int], Callable[..., Any]] = {}
+_interceptors_lock = threading.Lock()
+
+
+def _caller_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else -1
+
+
+def _resolve(kind: Collective) -> Callable[..., Any]:
+    if _interceptors:
+        found = _interceptors.get((kind, _caller_rank()))
+        if found is not None:
+            return found
+    return _torch_collective(kind)
+
+
+@contextlib.contextmanager
+def intercept(kind: Collective, fn: Callable[..., Any]) -> Iterator[None]:
+    """Route this rank's ``kind`` collectives to ``fn`` while the context is open.
+
+    ``fn`` takes the same arguments as the torch function it stands in for
+    (``dist.all_gather_single``, ``dist.reduce_scatter_single``, ``dist.all_reduce``,
+    ``dist.broadcast``) and may call that function itself to let the collective through.
+    """
+    key = (kind, _caller_rank())
+    with _interceptors_lock:
+        previous = _interceptors.get(key)
+        _interceptors[key] = fn
+    try:
+        yield
+    finally:
+        with _interceptors_lock:
+            if previous is None:
+                del _interceptors[key]
+            else:
+                _interceptors[key] = previous
+
+
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Gather every rank's ``input`` into ``output`` (rank r's input at slice r)."""
+    return _resolve(Collective.ALL_GATHER)(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    op: Any = ReduceOp.SUM,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Reduce ``input`` over the group and leave this rank's slice in ``output``."""
+    return _resolve(Collective.REDUCE_SCATTER)(
+        output, input, op=op, group=group, async_op=async_op
+    )
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    op: Any = ReduceOp.SUM,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Reduce ``tensor`` in place over the group."""
+    return _resolve(Collective.ALL_REDUCE)(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Copy global rank ``src``'s ``tensor`` to every rank of the group."""
+    return _resolve(Collective.BROADCAST)(tensor, src=src, group=group, async_op=async_op)
+
+
+def premul_sum(factor: float) -> Any:
+    """A pre-multiplied-sum reduce op: every input scaled by ``factor`` then summed."""
+    maker = getattr(dist, "_make_nccl_premul_sum", None)
+    if maker is not None:
+        return maker(factor)
+    return ReduceOp.PREMUL_SUM(factor)

@@ -1,0 +1,1 @@
+"""reffsdp's testing package: harnesses, process groups, comm counting, parity checks."""
