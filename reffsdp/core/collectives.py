@@ -1,0 +1,231 @@
+"""Group collectives: one all-gather and one reduce-scatter for a whole parameter group.
+
+[Note: one collective per group]
+Launching one collective per parameter wastes latency, so a group's parameters travel
+together. For the all-gather, each rank copies its padded shards into its own slice of one
+flat output buffer (copy-in) and gathers in place; afterwards each parameter's rows are
+split out of the ``(world_size, N)`` result into its own ``gathered`` buffer (copy-out).
+For the reduce-scatter, every gradient is padded on dim 0 to a multiple of the world size,
+cut into ``world_size`` chunks, and the chunks for rank r of every gradient are laid side
+by side in row r of one input buffer; the reduced row r comes back to rank r, which then
+views each gradient's shard out of it at a running offset.
+
+Two ranks, params ``a`` (3 rows) and ``b`` (2 rows), one element per row::
+
+    reduce-scatter input, row 0: [a0 a1 | b0]      row 1: [a2 pad | b1]
+    rank 0 receives sum of row 0 -> grad shards a[0:2], b[0:1]
+
+[Note: gradient divide factors]
+Data parallelism averages gradients over ``dp = shard_size * replicate_size`` ranks. When
+the reduce dtype cannot overflow (fp32, bf16) and the backend supports it we let the
+collective average (``AVG``), or pre-multiply by ``1/f`` (``PREMUL_SUM``) for a custom
+factor ``f``. Otherwise we sum, dividing by ``pre`` before and ``post`` after the sum so
+fp16 neither underflows nor overflows (see ``sharding.pre_post_divide_factors``). Backends
+without ``AVG`` or ``PREMUL_SUM`` (gloo lacks ``PREMUL_SUM``) fall back to sum + divide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import comms
+from .mesh import MeshInfo
+from .sharded_param import ShardedParam
+from .sharding import pre_post_divide_factors
+
+# -- all-gather ----------------------------------------------------------------------------
+
+
+@dataclass
+class AllGatherResult:
+    """An in-flight (or finished) group all-gather."""
+
+    output: torch.Tensor  # 1D flat, world_size * sum(input_numels) elements
+    input_numels: list[int]  # per parameter, in elements of output's dtype
+    work: dist.Work | None = None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+def foreach_all_gather(
+    params: list[ShardedParam], mesh_info: MeshInfo, *, async_op: bool
+) -> AllGatherResult:
+    """Copy every parameter's shard into one buffer and all-gather it over the shard group."""
+    inputs = [param.all_gather_input() for param in params]
+    if len({t.dtype for t in inputs}) > 1:
+        # Mixed dtypes (e.g. a frozen non-float parameter): move raw bytes instead.
+        inputs = [t.view(torch.uint8) for t in inputs]
+    numels = [t.numel() for t in inputs]
+    total = sum(numels)
+    world_size, rank = mesh_info.shard_size, mesh_info.shard_rank
+    output = torch.empty(total * world_size, dtype=inputs[0].dtype, device=inputs[0].device)
+    my_slice = output.narrow(0, total * rank, total)
+    torch._foreach_copy_(list(my_slice.split(numels)), inputs)
+    work = None
+    if world_size > 1:
+        work = comms.all_gather(output, my_slice, mesh_info.shard_group, async_op=async_op)
+    return AllGatherResult(output, numels, work if async_op else None)
+
+
+def foreach_all_gather_copy_out(result: AllGatherResult, params: list[ShardedParam]) -> None:
+    """Split the gathered ``(world_size, N)`` buffer into each parameter's ``gathered``."""
+    result.wait()
+    for param in params:
+        param.alloc_gathered()
+    targets = [param.gathered_rows() for param in params]
+    if result.output.dtype == torch.uint8:
+        targets = [t.view(torch.uint8) for t in targets]
+    world_size = targets[0].size(0)
+    rows = result.output.view(world_size, -1)
+    torch.split_with_sizes_copy(rows, result.input_numels, dim=1, out=targets)
+    for param in params:
+        param.finish_unshard()
+
+
+# -- reduce-scatter ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReducePlan:
+    """How to turn summed-or-averaged collectives into the data-parallel average."""
+
+    reduce_scatter_op: object
+    all_reduce_op: object
+    pre_factor: float | None  # divide before the collective
+    post_factor: float | None  # divide after the collective
+
+
+def _supports(group: dist.ProcessGroup, op_name: str) -> bool:
+    backend = dist.get_backend(group)
+    if backend in ("nccl", "threaded", "fake"):
+        return True
+    return backend == "gloo" and op_name == "avg"
+
+
+def plan_reduction(
+    mesh_info: MeshInfo,
+    reduce_dtype: torch.dtype,
+    *,
+    divide_factor: float | None = None,
+    force_sum: bool = False,
+) -> ReducePlan:
+    """Pick ops and pre/post factors per [Note: gradient divide factors]."""
+    sum_op = dist.ReduceOp.SUM
+    dp_size = mesh_info.shard_size * mesh_info.replicate_size
+    overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
+    group = mesh_info.shard_group
+    if not overflow_risk and not force_sum:
+        if divide_factor is None:
+            if dp_size == 1:
+                return ReducePlan(sum_op, sum_op, None, None)
+            if _supports(group, "avg") and (
+                not mesh_info.is_hsdp or _supports(mesh_info.replicate_group, "avg")
+            ):
+                return ReducePlan(dist.ReduceOp.AVG, dist.ReduceOp.AVG, None, None)
+        elif divide_factor == mesh_info.shard_size and _supports(group, "avg"):
+            return ReducePlan(dist.ReduceOp.AVG, sum_op, None, None)
+        elif _supports(group, "premul_sum"):
+            return ReducePlan(comms.premul_sum(1.0 / divide_factor), sum_op, None, None)
+    factor = divide_factor if divide_factor is not None else dp_size
+    if overflow_risk and not force_sum:
+        pre, post = pre_post_divide_factors(factor)
+    else:
+        pre, post = 1.0, float(factor)
+    return ReducePlan(
+        sum_op, sum_op, pre if pre > 1 else None, post if post not in (None, 1) else None
+    )
+
+
+@dataclass
+class PendingReduce:
+    """An in-flight group reduce-scatter; ``complete()`` writes the sharded gradients."""
+
+    params: list[ShardedParam]
+    input: torch.Tensor  # kept alive until the collective finishes
+    output: torch.Tensor  # 1D, this rank's reduced row
+    plan: ReducePlan
+    mesh_info: MeshInfo
+    work: dist.Work | None = None
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    completed: bool = field(default=False)
+
+    def complete(self) -> None:
+        if self.completed:
+            return
+        self.completed = True
+        if self.work is not None:
+            self.work.wait()
+        output = self.output
+        if self.mesh_info.is_hsdp:
+            comms.all_reduce(output, self.mesh_info.replicate_group, op=self.plan.all_reduce_op)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(output)
+        if self.plan.post_factor is not None:
+            output.div_(self.plan.post_factor)
+        _write_sharded_grads(self.params, output)
+        self.input = self.output = None  # type: ignore[assignment]
+
+
+def _write_sharded_grads(params: list[ShardedParam], output: torch.Tensor) -> None:
+    """View each parameter's local gradient out of the reduced row (see the module note)."""
+    offset = 0
+    for param in params:
+        layout = param.layout
+        local = output.narrow(0, offset, layout.local_shard_numel).view(layout.local_shard_size)
+        param.accumulate_sharded_grad(local.to(param.orig_dtype))
+        offset += layout.padded_shard_numel
+
+
+def _as_dim0_chunks(grad: torch.Tensor, param: ShardedParam) -> torch.Tensor:
+    """Rearrange a gradient sharded on dim d > 0 so chunk r along d is block r along dim 0."""
+    if param.shard_dim == 0:
+        return grad
+    chunks = grad.chunk(param.layout.world_size, dim=param.shard_dim)
+    return torch.cat([chunk.contiguous().view(-1) for chunk in chunks]).view(
+        param.layout.world_size * param.layout.padded_shard_size[0], -1
+    )
+
+
+def foreach_reduce(
+    params: list[ShardedParam],
+    grads: list[torch.Tensor],
+    mesh_info: MeshInfo,
+    reduce_dtype: torch.dtype,
+    plan: ReducePlan,
+    *,
+    async_op: bool,
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None,
+) -> PendingReduce:
+    """Reduce-scatter all ``grads`` in one collective (see [Note: one collective per group])."""
+    world_size = mesh_info.shard_size
+    grads = [_as_dim0_chunks(g, p) for g, p in zip(grads, params)]
+    shard_numel = sum(p.layout.padded_shard_numel for p in params)
+    rs_input = torch.empty(world_size * shard_numel, dtype=reduce_dtype, device=grads[0].device)
+    torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=rs_input.view(world_size, -1))
+    if plan.pre_factor is not None:
+        rs_input.div_(plan.pre_factor)
+    if world_size == 1:
+        output = rs_input
+        if plan.reduce_scatter_op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            output = rs_input * rs_input.new_tensor(_premul_factor(plan.reduce_scatter_op))
+        return PendingReduce(
+            params, rs_input, output, plan, mesh_info, None, all_reduce_hook
+        )
+    output = rs_input.new_empty(shard_numel)
+    work = comms.reduce_scatter(
+        output, rs_input, mesh_info.shard_group, op=plan.reduce_scatter_op, async_op=async_op
+    )
+    return PendingReduce(
+        params, rs_input, output, plan, mesh_info, work if async_op else None, all_reduce_hook
+    )
+
+
+def _premul_factor(op: object) -> float:
+    return float(getattr(op, "factor", 1.0))

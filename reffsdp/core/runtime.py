@@ -1,0 +1,46 @@
+"""What one root's parameter groups share during an iteration.
+
+[Note: bounded in-flight reductions]
+Reduce-scatters are issued asynchronously so communication overlaps the rest of backward
+(on CPU too: gloo runs collectives on its own threads). Each in-flight reduction keeps its
+input buffer alive, so we bound how many are pending: issuing a new one first completes
+the oldest beyond ``max_pending_reduces``. Whatever is still pending when backward ends is
+completed in the final callback, before anyone reads a gradient.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .collectives import PendingReduce
+    from .param_group import ParamGroup
+
+
+@dataclass
+class CommContext:
+    """State shared by every group under one root for the current iteration."""
+
+    # Groups in the order their post-forward ran this iteration (with repeats); backward
+    # prefetches walk it in reverse.
+    post_forward_order: list[ParamGroup] = field(default_factory=list)
+    pending_reduces: deque[PendingReduce] = field(default_factory=deque)
+    max_pending_reduces: int = 1
+
+    def add_pending_reduce(self, pending: PendingReduce) -> None:
+        self.pending_reduces.append(pending)
+        while len(self.pending_reduces) > self.max_pending_reduces:
+            self.pending_reduces.popleft().complete()
+
+    def complete_reduces(self) -> None:
+        while self.pending_reduces:
+            self.pending_reduces.popleft().complete()
+
+    def discard_reduces(self) -> None:
+        """Wait for in-flight reductions but write no gradients (used after an error)."""
+        while self.pending_reduces:
+            pending = self.pending_reduces.popleft()
+            if pending.work is not None:
+                pending.work.wait()

@@ -1,0 +1,295 @@
+"""One parameter's two forms: the sharded DTensor the optimizer sees, and the unsharded
+tensor the module computes with.
+
+[Note: tensor lifecycle]
+For each original parameter we keep:
+
+* ``padded_shard`` (1D, ``layout.padded_shard_numel``): this rank's rows, zero-padded so all
+  ranks contribute equally to collectives. The sharded parameter's local tensor is a view
+  of its first ``local_shard_numel`` elements, so optimizer steps write straight into it.
+* ``sharded_param``: an ``nn.Parameter`` wrapping a ``DTensor`` with the original global
+  size. This is what ``module.parameters()`` and ``state_dict()`` show between iterations.
+* ``gathered`` (1D, ``world_size * padded_shard_numel``, compute dtype): the all-gather's
+  destination. Allocated on first unshard; afterwards its *storage* is freed
+  (``resize_(0)``) on reshard and re-grown on unshard. The tensor object never changes, so
+  tensors autograd saved in forward still point at it when backward re-gathers.
+* ``unsharded_param``: an ``nn.Parameter`` viewing ``gathered`` (dim 0 sharding; for other
+  dims, a separate buffer the rank blocks are concatenated into). Built once.
+
+Writes into ``gathered`` go through ``.data``: that alias has its own version counter, so
+re-gathering in backward does not make autograd reject tensors it saved in forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+from .mesh import MeshInfo
+from .sharding import ShardLayout, contiguous_strides, shard_tensor, unshard_from_gathered
+from .states import ShardedState
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """Where a parameter is registered: ``getattr(module, name)``."""
+
+    module: nn.Module
+    name: str
+
+    def set(self, param: nn.Parameter) -> None:
+        # Writing the dict directly skips nn.Module.__setattr__'s checks: this is a swap
+        # of one registered parameter for another, on the hot path of every unshard.
+        self.module._parameters[self.name] = param
+
+
+def _local_tensor(dtensor: DTensor) -> torch.Tensor:
+    """The local tensor of a DTensor, without autograd involvement."""
+    return dtensor._local_tensor
+
+
+def _set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
+    # DTensor has no public setter; we swap in a view of our padded buffer after
+    # ``module.to(...)``/``to_empty`` replaced the local tensor with a new one.
+    dtensor._local_tensor = local
+
+
+class ShardedParam:
+    """Shards one parameter over ``mesh_info`` and swaps it between its two forms."""
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        refs: list[ParamRef],
+        mesh_info: MeshInfo,
+        device: torch.device,
+        shard_dim: int = 0,
+    ) -> None:
+        if param.dim() == 0:
+            raise ValueError(f"fully_shard cannot shard a scalar (0-dim) parameter: {refs[0]}")
+        if not param.is_contiguous():
+            raise NotImplementedError(
+                f"fully_shard needs contiguous parameters; {refs[0].name} has stride "
+                f"{param.stride()} for size {tuple(param.size())}"
+            )
+        self.refs = refs
+        # Identity of the original parameter, to catch one tensor sharded by two groups.
+        self.orig_param_id = id(param)
+        self.mesh_info = mesh_info
+        self.device = device
+        self.shard_dim = shard_dim % param.dim()
+        self.layout = ShardLayout(
+            param.size(), self.shard_dim, mesh_info.shard_size, mesh_info.shard_rank
+        )
+        self.orig_dtype = param.dtype
+        self.param_dtype: torch.dtype | None = None
+        self.reduce_dtype: torch.dtype | None = None
+        self.sharded_state = ShardedState.SHARDED
+        self.gathered: torch.Tensor | None = None
+        self.unsharded_param: nn.Parameter | None = None
+        self._unsharded_data: torch.Tensor | None = None
+        # Gradient kept across backwards while gradient sync is off (in reduce dtype).
+        self.unsharded_accumulated_grad: torch.Tensor | None = None
+
+        on_device = param.detach()
+        if on_device.device != device and on_device.device.type != "meta":
+            on_device = on_device.to(device)
+        self.padded_shard = shard_tensor(on_device, self.layout).view(-1)
+        self.sharded_param = nn.Parameter(
+            self._to_dtensor(self._local_view()), requires_grad=param.requires_grad
+        )
+
+    # -- the sharded form ---------------------------------------------------------------
+
+    def _local_view(self) -> torch.Tensor:
+        shard = self.padded_shard.view(self.layout.padded_shard_size)
+        return shard.narrow(self.shard_dim, 0, self.layout.local_rows)
+
+    def _to_dtensor(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local,
+            self.mesh_info.mesh,
+            self.mesh_info.placements(Shard(self.shard_dim)),
+            run_check=False,
+            shape=self.layout.global_size,
+            stride=contiguous_strides(self.layout.global_size),
+        )
+
+    def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
+        """Wrap a local shard (e.g. a reduced gradient) with this parameter's sharding."""
+        return self._to_dtensor(local)
+
+    def reset_sharded_param(self) -> None:
+        """Re-pad after something replaced the local tensor (``.to(dtype)``, ``to_empty``).
+
+        ``nn.Module._apply`` swaps each DTensor's local tensor for a converted copy that no
+        longer views ``padded_shard``; copy it back into a padded buffer of the new dtype
+        and device so all-gathers and the optimizer keep sharing storage.
+        """
+        local = _local_tensor(self.sharded_param)
+        if local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr():
+            if local.dtype == self.padded_shard.dtype and local.device == self.padded_shard.device:
+                return
+        padded = local.new_zeros(self.layout.padded_shard_size)
+        if local.device.type != "meta":
+            padded.narrow(self.shard_dim, 0, self.layout.local_rows).copy_(local)
+        self.padded_shard = padded.view(-1)
+        self.orig_dtype = local.dtype
+        self.device = local.device if local.device.type != "meta" else self.device
+        _set_local_tensor(self.sharded_param, self._local_view())
+        self.gathered = None
+        self.unsharded_param = None
+        self._unsharded_data = None
+
+    def init_dtypes(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
+        """Resolve mixed precision for this parameter (see the module docstring of
+        ``param_group``): drop casts that would be no-ops."""
+        self.orig_dtype = self.padded_shard.dtype
+        if param_dtype == self.orig_dtype or not self.orig_dtype.is_floating_point:
+            param_dtype = None
+        if reduce_dtype == (param_dtype or self.orig_dtype):
+            reduce_dtype = None
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.param_dtype or self.orig_dtype
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.sharded_param.requires_grad
+
+    @property
+    def fqn(self) -> str:
+        return self.refs[0].name
+
+    # -- all-gather input and output ----------------------------------------------------
+
+    def all_gather_input(self) -> torch.Tensor:
+        """This rank's contribution to the all-gather: the padded shard, in compute dtype."""
+        if self.padded_shard.device.type == "meta":
+            raise RuntimeError(
+                f"parameter {self.fqn} is still on the meta device at its first all-gather; "
+                "materialize it first (e.g. module.to_empty(device=...) then "
+                "reset_parameters())"
+            )
+        shard = self.padded_shard
+        if shard.device != self.device:
+            shard = shard.to(self.device, non_blocking=True)
+        return shard.to(self.compute_dtype)
+
+    def alloc_gathered(self) -> None:
+        """Make sure ``gathered`` has storage to receive an all-gather."""
+        numel = self.layout.world_size * self.layout.padded_shard_numel
+        if self.gathered is None or self.gathered.dtype != self.compute_dtype:
+            self.gathered = torch.empty(numel, dtype=self.compute_dtype, device=self.device)
+            self.unsharded_param = None
+            return
+        storage = self.gathered.untyped_storage()
+        nbytes = numel * self.gathered.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def gathered_rows(self) -> torch.Tensor:
+        """``gathered`` as ``(world_size, padded_shard_numel)``, for copy-out (see lifecycle note)."""
+        assert self.gathered is not None
+        return self.gathered.data.view(self.layout.world_size, -1)
+
+    def finish_unshard(self) -> None:
+        """After copy-out: build (once) or refresh the unsharded parameter."""
+        assert self.gathered is not None
+        if self.shard_dim != 0:
+            full = unshard_from_gathered(self.gathered.data, self.layout)
+            if self._unsharded_data is None or self._unsharded_data.dtype != full.dtype:
+                self._unsharded_data = torch.empty_like(full)
+                self.unsharded_param = None
+            elif self._unsharded_data.untyped_storage().size() == 0:
+                self._unsharded_data.untyped_storage().resize_(
+                    full.numel() * full.element_size()
+                )
+            self._unsharded_data.data.copy_(full)
+        if self.unsharded_param is None:
+            data = self._unsharded_data
+            if data is None:
+                data = unshard_from_gathered(self.gathered, self.layout)
+            self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
+        if self.unsharded_param.requires_grad != self.requires_grad:
+            self.unsharded_param.requires_grad_(self.requires_grad)
+
+    def free_unsharded(self) -> None:
+        """Release the unsharded storage; the tensor objects stay for the next unshard."""
+        for tensor in (self.gathered, self._unsharded_data):
+            if tensor is not None:
+                tensor.untyped_storage().resize_(0)
+
+    # -- registration -------------------------------------------------------------------
+
+    def to_sharded(self) -> None:
+        for ref in self.refs:
+            ref.set(self.sharded_param)
+        self.free_unsharded()
+        self.sharded_state = ShardedState.SHARDED
+
+    def to_unsharded(self) -> None:
+        assert self.unsharded_param is not None, "to_unsharded() before an all-gather finished"
+        for ref in self.refs:
+            ref.set(self.unsharded_param)
+        self.sharded_state = ShardedState.UNSHARDED
+
+    # -- gradients ----------------------------------------------------------------------
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """Pop this iteration's unsharded gradient (plus any accumulated with sync off)."""
+        grad = None
+        if self.unsharded_param is not None and self.unsharded_param.grad is not None:
+            grad = self.unsharded_param.grad
+            self.unsharded_param.grad = None
+        if self.unsharded_accumulated_grad is not None:
+            if grad is not None:
+                self.unsharded_accumulated_grad += grad
+            grad = self.unsharded_accumulated_grad
+            self.unsharded_accumulated_grad = None
+        return grad
+
+    def accumulate_unsharded_grad(self) -> None:
+        """With gradient sync off: keep this backward's gradient for a later synced one."""
+        if self.unsharded_param is None or self.unsharded_param.grad is None:
+            return
+        grad = self.unsharded_param.grad
+        self.unsharded_param.grad = None
+        dtype = self.reduce_dtype or grad.dtype
+        if self.unsharded_accumulated_grad is None:
+            self.unsharded_accumulated_grad = grad.to(dtype, copy=True)
+        else:
+            self.unsharded_accumulated_grad += grad
+
+    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
+        """Add a reduced local gradient into the sharded parameter's DTensor ``.grad``."""
+        param = self.sharded_param
+        if param.grad is None:
+            param.grad = self.to_sharded_dtensor(local_grad)
+        else:
+            _local_tensor(param.grad).add_(local_grad)
+        # Reduced gradients bypass AccumulateGrad, so run the hooks it would have run
+        # (e.g. an optimizer stepping inside backward).
+        hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+        for hook in (hooks or {}).values():
+            hook(param)
+
+    def discard_grads(self) -> None:
+        if self.unsharded_param is not None:
+            self.unsharded_param.grad = None
+        self.unsharded_accumulated_grad = None
+
+
+def unique_params(module_params: list[tuple[nn.Module, str, nn.Parameter]]):
+    """Group ``(module, name, param)`` triples by parameter identity, keeping first-seen order."""
+    refs: dict[int, tuple[nn.Parameter, list[ParamRef]]] = {}
+    for module, name, param in module_params:
+        entry = refs.setdefault(id(param), (param, []))
+        entry[1].append(ParamRef(module, name))
+    return list(refs.values())
+

@@ -1,0 +1,200 @@
+"""``fully_shard``: shard a module's parameters and install the FSDP hooks.
+
+Apply it bottom-up: to each block first, then to the model. Each call claims the
+parameters of its module(s) that no earlier call claimed, so a block's parameters belong
+to the block's group and the rest (embeddings, final norm, ...) to the root's group.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any, overload
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+
+from ..core.mesh import default_mesh, device_for, mesh_info_for
+from ..core.param_group import ParamGroup
+from ..core.sharded_param import ShardedParam, unique_params
+from .api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .module import FSDPModule
+from .state import FSDPState, state_of
+
+# Parameters that some fully_shard call already sharded; a later call that meets one was
+# applied top-down (parent before child), which cannot work.
+_sharded_params: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
+_fsdp_classes: dict[type, type] = {}
+
+
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+):
+    """Shard ``module``'s parameters over ``mesh`` and make it an :class:`FSDPModule`.
+
+    Parameters become ``DTensor``s sharded on dim 0 (or per ``shard_placement_fn``). In
+    forward each group is all-gathered just before use and, per ``reshard_after_forward``,
+    freed after; in backward gradients are reduce-scattered. Returns ``module`` itself.
+    """
+    modules = (module,) if isinstance(module, nn.Module) else tuple(module)
+    _check_modules(modules)
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("dp_mesh_dims is not supported yet")
+    mesh = mesh if mesh is not None else default_mesh()
+    mesh_info = mesh_info_for(mesh)
+    device = device_for(mesh)
+    reshard = _resolve_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
+
+    managed = _managed_modules(modules)
+    ignored = {id(p) for p in ignored_params or ()}
+    sharded = _shard_params(managed, ignored, mesh_info, device, shard_placement_fn)
+    _move_buffers(managed, device)
+    group = None
+    if sharded:
+        group = ParamGroup(
+            sharded,
+            modules,
+            mesh_info,
+            device,
+            param_dtype=mp_policy.param_dtype,
+            reduce_dtype=mp_policy.reduce_dtype,
+            reshard_after_forward=reshard,
+        )
+    FSDPState(modules, group, device, mp_policy, auto_reshard_root=reshard_after_forward is None)
+    for m in modules:
+        _swap_class(m)
+    for m in managed:
+        m._is_fsdp_managed_module = True  # type: ignore[attr-defined]
+        m._fsdp_use_orig_params = True  # type: ignore[attr-defined]
+    return module
+
+
+def _check_modules(modules: tuple[nn.Module, ...]) -> None:
+    for m in modules:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward in (
+            nn.ModuleList.forward,
+            nn.ModuleDict.forward,
+        ):
+            raise ValueError(
+                f"fully_shard does not support {type(m).__name__} containers, which have no "
+                "forward; shard each child or the module that calls them"
+            )
+        if state_of(m) is not None:
+            raise AssertionError(f"fully_shard was already applied to {type(m).__name__}")
+
+
+def _resolve_reshard_after_forward(value: bool | int | None, shard_size: int) -> bool:
+    if value is None or isinstance(value, bool):
+        return value is not False
+    if not isinstance(value, int):
+        raise ValueError(f"reshard_after_forward must be a bool or int, got {value!r}")
+    if value < 1 or value > shard_size or shard_size % value != 0:
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the shard size {shard_size} "
+            f"and lie in [1, {shard_size}]"
+        )
+    if value == 1:
+        warnings.warn(
+            "reshard_after_forward=1 keeps every parameter unsharded after forward; "
+            "pass False instead",
+            stacklevel=3,
+        )
+        return False
+    if value == shard_size:
+        return True
+    raise NotImplementedError(
+        f"reshard_after_forward={value} (resharding to a subgroup) is not supported yet"
+    )
+
+
+def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
+    """Depth-first from the roots, not entering modules another call already sharded."""
+    managed: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        managed.append(m)
+        for child in m.children():
+            if state_of(child) is None:
+                visit(child)
+
+    for root in roots:
+        visit(root)
+    return managed
+
+
+def _shard_params(managed, ignored, mesh_info, device, shard_placement_fn) -> list[ShardedParam]:
+    triples = [
+        (m, name, p)
+        for m in managed
+        for name, p in m._parameters.items()
+        if p is not None and id(p) not in ignored
+    ]
+    sharded = []
+    for param, refs in unique_params(triples):
+        if _sharded_params.get(id(param)) is param:
+            raise ValueError(
+                f"{type(refs[0].module).__name__}.{refs[0].name} is already sharded by an "
+                "enclosing fully_shard call; apply fully_shard bottom-up (children before "
+                "their parent)"
+            )
+        placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+        if placement is not None and not isinstance(placement, Shard):
+            raise ValueError(
+                f"shard_placement_fn must return None or a Shard placement, got {placement!r}"
+            )
+        shard_dim = placement.dim if placement is not None else 0
+        sharded_param = ShardedParam(param, refs, mesh_info, device, shard_dim)
+        for ref in refs:
+            ref.set(sharded_param.sharded_param)
+        _sharded_params[id(sharded_param.sharded_param)] = sharded_param.sharded_param
+        sharded.append(sharded_param)
+    return sharded
+
+
+def _move_buffers(managed: list[nn.Module], device: torch.device) -> None:
+    for m in managed:
+        for name, buffer in m._buffers.items():
+            if buffer is not None and buffer.device.type != "meta" and buffer.device != device:
+                m._buffers[name] = buffer.to(device)
+
+
+def _swap_class(module: nn.Module) -> None:
+    cls = type(module)
+    fsdp_cls = _fsdp_classes.get(cls)
+    if fsdp_cls is None:
+
+        def __deepcopy__(self, memo):  # noqa: N807
+            raise AssertionError("copy.deepcopy of a fully_shard module is not supported")
+
+        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": __deepcopy__})
+        _fsdp_classes[cls] = fsdp_cls
+    module.__class__ = fsdp_cls
+
+
+def _state(module: nn.Module) -> FSDPState | None:
+    return state_of(module)
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]
+fully_shard.__module__ = "reffsdp"

@@ -1,0 +1,239 @@
+"""``FSDPModule``: the methods a module gains from ``fully_shard``.
+
+``fully_shard`` swaps a module's class for a subclass of ``(FSDPModule, OriginalClass)``;
+the methods below then act on the module's ``fully_shard`` state.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..core.param_group import ParamGroup
+from .state import FSDPState, state_of
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard."""
+
+    def wait(self) -> None:
+        return None
+
+
+class _GroupUnshardHandle(UnshardHandle):
+    def __init__(self, groups: list[ParamGroup]) -> None:
+        self._groups = groups
+
+    def wait(self) -> None:
+        for group in self._groups:
+            group.wait_for_unshard()
+        self._groups = []
+
+
+class FSDPModule:
+    """Mixin added to every module passed to ``fully_shard``."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # Code such as ``nn.Sequential.__getitem__`` builds ``self.__class__(...)``; give
+        # it a plain instance of the original class rather than an unsharded "FSDP" one.
+        orig_cls = cls.__mro__[2]
+        instance = orig_cls.__new__(orig_cls, *args, **kwargs)
+        instance.__init__(*args, **kwargs)
+        return instance
+
+    def _get_fsdp_state(self) -> FSDPState:
+        state = state_of(self)  # type: ignore[arg-type]
+        if state is None:
+            raise AssertionError(f"no fully_shard state on {type(self).__name__}")
+        return state
+
+    def _groups(self) -> list[ParamGroup]:
+        group = self._get_fsdp_state().group
+        return [group] if group is not None else []
+
+    def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
+        if not recurse:
+            return [self]
+        return [m for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
+
+    def _set_on_groups(self, recurse: bool, **attrs: Any) -> None:
+        for module in self._fsdp_modules(recurse):
+            for group in module._groups():
+                for name, value in attrs.items():
+                    setattr(group, name, value)
+
+    # -- unshard / reshard --------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters now (in ``param_dtype``)."""
+        groups = self._groups()
+        for group in groups:
+            group.lazy_init()
+            group.unshard()
+        handle = _GroupUnshardHandle(groups)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones (this module only)."""
+        for group in self._groups():
+            group.reshard()
+
+    def reset_iter_state(self) -> None:
+        """On the root, after an exception in forward/backward: reshard and drop partial grads."""
+        self._get_fsdp_state().reset_iter_state()
+
+    def _apply(self, fn: Callable, *args: Any, **kwargs: Any):  # type: ignore[override]
+        # ``.to()``, ``.float()``, ``to_empty()``: convert the sharded parameters, then re-pad
+        # them so they keep sharing storage with the all-gather input.
+        self.reshard()
+        result = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
+        for group in self._groups():
+            for param in group.params:
+                param.reset_sharded_param()
+        return result
+
+    # -- gradient synchronization -------------------------------------------------------
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        self._get_fsdp_state().ctx.is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
+        """Turn reduce-scatter (and HSDP all-reduce) on or off, e.g. for microbatches."""
+        self._set_on_groups(
+            recurse, reduce_grads=requires_gradient_sync, all_reduce_grads=requires_gradient_sync
+        )
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
+        """HSDP: reduce-scatter but skip the all-reduce across replicas while off."""
+        self._set_on_groups(recurse, all_reduce_grads=requires_all_reduce)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}"
+            )
+        self._set_on_groups(recurse, reshard_after_forward=reshard_after_forward)
+        for module in self._fsdp_modules(recurse):
+            module._get_fsdp_state().auto_reshard_root = False
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
+        self._set_on_groups(recurse, reshard_after_backward=reshard_after_backward)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        self._set_on_groups(False, unshard_in_backward=unshard_in_backward)
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        self._set_on_groups(recurse, reduce_scatter_unused_params=reduce_scatter_unused_params)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the data-parallel size."""
+        self._set_on_groups(False, gradient_divide_factor=factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Use only SUM collectives and divide separately (for backends without AVG)."""
+        self._set_on_groups(False, force_sum_reduction=enable)
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+    ) -> None:
+        """Run ``hook`` on each reduced gradient shard (after the all-reduce for HSDP)."""
+        groups = self._groups()
+        if stream is not None and any(g.mesh_info.is_hsdp for g in groups):
+            raise ValueError("set_all_reduce_hook: a stream cannot be given with native HSDP")
+        self._set_on_groups(False, all_reduce_hook=hook)
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The next forward's all-gathers wait for ``event`` instead of the whole stream."""
+        self._get_fsdp_state().ctx.post_optim_event = event
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Bound how many reduce-scatters may be in flight (each keeps its input alive)."""
+        if not isinstance(max_input_buffers, int) or isinstance(max_input_buffers, bool):
+            raise TypeError(f"max_input_buffers must be an int, got {max_input_buffers!r}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be at least 1, got {max_input_buffers}")
+        for module in self._fsdp_modules(recurse):
+            module._get_fsdp_state().comm_ctx.max_pending_reduces = max_input_buffers
+
+    # -- prefetching --------------------------------------------------------------------
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        self._get_fsdp_state().forward_prefetch = _states_of(modules, "forward")
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        self._get_fsdp_state().backward_prefetch = _states_of(modules, "backward")
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        # Collectives are always issued asynchronously and waited where needed; the flag is
+        # accepted for compatibility.
+        self._set_on_groups(True, unshard_async_op=async_op)
+
+
+def _states_of(modules: list[Any], direction: str) -> list[FSDPState]:
+    states = []
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(
+                f"set_modules_to_{direction}_prefetch expects FSDPModules, got "
+                f"{type(module).__name__}"
+            )
+        states.append(module._get_fsdp_state())
+    return states
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run FSDP's pre/post-forward around ``module.<method_name>`` (e.g. ``generate``)."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    state = module._get_fsdp_state()
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        output = method(*args, **kwargs)
+        return state._post_forward(module, args, output)
+
+    module.__dict__[method_name] = wrapped
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several roots (e.g. pipeline stages) share the first one's comm context."""
+    if not modules:
+        return
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"share_comm_ctx expects FSDPModules, got {type(module).__name__}")
+    shared = modules[0]._get_fsdp_state().comm_ctx
+    for module in modules[1:]:
+        for sub in module._fsdp_modules(recurse=True):
+            state = sub._get_fsdp_state()
+            state.comm_ctx = shared
+            if state.group is not None:
+                state.group.comm_ctx = shared
+
+
+for _obj in (FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx):
+    _obj.__module__ = "reffsdp"

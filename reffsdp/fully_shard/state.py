@@ -1,0 +1,270 @@
+"""The state of one ``fully_shard`` call: its hooks, and the root's per-iteration duties.
+
+[Note: root and lazy init]
+The first ``fully_shard`` state to run forward becomes the root. At that moment it finds
+every state in its module tree, marks them non-root, and gives them all one shared
+:class:`StateContext` and :class:`CommContext`. A root left at the default
+``reshard_after_forward=None`` keeps its parameters unsharded after forward: backward
+needs them at once, so resharding would only cost another all-gather.
+
+[Note: hook order in one iteration]
+forward:  pre-forward (unshard, wait) -> module forward -> post-forward (reshard, record
+          order, hook outputs for pre-backward)
+backward: pre-backward on the first output gradient (unshard, prefetch the group that ran
+          before us) -> module backward -> post-backward when input gradients are ready
+          (reduce-scatter) -> final callback once backward is done (finish groups that
+          never saw a post-backward, wait for reductions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map_only
+
+from ..core.autograd_hooks import (
+    in_backward,
+    queue_final_callback,
+    register_post_backward,
+    register_pre_backward,
+)
+from ..core.param_group import ParamGroup
+from ..core.runtime import CommContext
+from ..core.states import TrainingState
+from .api import MixedPrecisionPolicy
+
+_STATE_KEY = "_reffsdp_fully_shard_state"
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    """The ``fully_shard`` state attached to ``module``, if any."""
+    return module.__dict__.get(_STATE_KEY)
+
+
+@dataclass
+class StateContext:
+    """Per-root, per-iteration bookkeeping shared by all states under the root."""
+
+    all_states: list[FSDPState] = field(default_factory=list)
+    iter_forward_root: FSDPState | None = None
+    final_callback_queued: bool = False
+    is_last_backward: bool = True
+    post_optim_event: Any = None
+
+
+class FSDPState:
+    """Hooks and root logic for the module(s) of one ``fully_shard`` call."""
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: ParamGroup | None,
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
+        auto_reshard_root: bool,
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.device = device
+        self.mp_policy = mp_policy
+        self.auto_reshard_root = auto_reshard_root
+        self.is_root: bool | None = None
+        self.ctx = StateContext()
+        self.comm_ctx = group.comm_ctx if group is not None else CommContext()
+        self.training_state = TrainingState.IDLE
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] = []
+        self._modules_in_forward: set[nn.Module] = set()
+        for module in modules:
+            module.__dict__[_STATE_KEY] = self
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward)
+
+    def __repr__(self) -> str:
+        return f"FSDPState({', '.join(type(m).__name__ for m in self.modules)})"
+
+    # -- lazy init ----------------------------------------------------------------------
+
+    def lazy_init(self) -> None:
+        """See [Note: root and lazy init]."""
+        if self.is_root is not None:
+            return
+        if len(self.modules) > 1:
+            raise RuntimeError(
+                "a grouped fully_shard([...]) call cannot be the root: also call "
+                "fully_shard on a module that contains all of them"
+            )
+        self.is_root = True
+        states: list[FSDPState] = []
+        for module in self.modules[0].modules():
+            state = state_of(module)
+            if state is not None and state not in states:
+                states.append(state)
+        for state in states[1:]:
+            if state.is_root is not None:
+                raise RuntimeError(
+                    f"{state} already ran forward on its own; run forward through the "
+                    f"root module ({type(self.modules[0]).__name__}) first"
+                )
+            state.is_root = False
+        self.ctx.all_states = states
+        for state in states:
+            state.ctx = self.ctx
+            state.comm_ctx = self.comm_ctx
+            if state.group is not None:
+                state.group.comm_ctx = self.comm_ctx
+        if self.group is not None and self.auto_reshard_root:
+            self.group.reshard_after_forward = False
+        _check_no_param_in_two_groups(states)
+        for state in states:
+            if state.group is not None:
+                state.group.lazy_init()
+
+    # -- forward hooks ------------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if in_backward():
+            # Activation-checkpoint recompute: make sure parameters are there, nothing more.
+            if self.group is not None:
+                self.group.unshard()
+                self.group.wait_for_unshard()
+            return self._cast_inputs(args, kwargs)
+        self.lazy_init()
+        if self.ctx.iter_forward_root is None:
+            self.ctx.iter_forward_root = self
+            args, kwargs = self._root_pre_forward(args, kwargs)
+        self.training_state = TrainingState.FORWARD
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if self.group is not None:
+            self._modules_in_forward.add(module)
+            self.group.pre_forward()
+            args, kwargs = register_post_backward(self.group.post_backward, args, kwargs)
+        for target in self.forward_prefetch:
+            if target.group is not None:
+                target.group.unshard()
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if in_backward():
+            return self._cast_output(output)
+        if self.group is not None and module in self._modules_in_forward:
+            self._modules_in_forward.discard(module)
+            if not self._modules_in_forward:
+                self._group_post_forward()
+        output = register_pre_backward(self._pre_backward, output)
+        self.training_state = TrainingState.IDLE
+        if self.ctx.iter_forward_root is self:
+            self._finish_forward_root()
+        return self._cast_output(output)
+
+    def _group_post_forward(self) -> None:
+        assert self.group is not None
+        if torch.is_grad_enabled():
+            self.group.post_forward()
+        else:  # no backward follows: reshard without recording backward order
+            if self.group.reshard_after_forward:
+                self.group.reshard()
+            self.group.training_state = TrainingState.IDLE
+
+    def _root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if self.ctx.post_optim_event is not None:
+            torch.accelerator.current_stream().wait_event(self.ctx.post_optim_event)
+            self.ctx.post_optim_event = None
+        if self.device.type == "cpu":
+            return args, kwargs
+        move = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        return tree_map_only(torch.Tensor, move, (args, kwargs))
+
+    def _finish_forward_root(self) -> None:
+        """Complete grouped states whose listed modules did not all run."""
+        for state in self.ctx.all_states:
+            if state._modules_in_forward:
+                state._modules_in_forward.clear()
+                state._group_post_forward()
+                state.training_state = TrainingState.IDLE
+        self.ctx.iter_forward_root = None
+
+    def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        dtype = self.mp_policy.param_dtype
+        if not self.mp_policy.cast_forward_inputs or dtype is None:
+            return args, kwargs
+        cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+        return tree_map_only(torch.Tensor, cast, (args, kwargs))
+
+    def _cast_output(self, output: Any) -> Any:
+        dtype = self.mp_policy.output_dtype
+        if dtype is None:
+            return output
+        cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+        return tree_map_only(torch.Tensor, cast, output)
+
+    # -- backward hooks -----------------------------------------------------------------
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        self.training_state = TrainingState.PRE_BACKWARD
+        if not self.ctx.final_callback_queued:
+            self.ctx.final_callback_queued = True
+            root = self.ctx.all_states[0] if self.ctx.all_states else self
+            queue_final_callback(root._final_callback)
+        group = self.group
+        if group is None or group.training_state is TrainingState.PRE_BACKWARD:
+            return
+        group.pre_backward(default_prefetch=not self.backward_prefetch)
+        for target in self.backward_prefetch:
+            if target.group is not None:
+                target.group.unshard()
+
+    def _final_callback(self) -> None:
+        """Runs once per backward, on the root: see [Note: hook order in one iteration]."""
+        ctx = self.ctx
+        try:
+            for state in ctx.all_states:
+                group = state.group
+                if group is not None:
+                    if group.training_state is TrainingState.PRE_BACKWARD or (
+                        group.training_state is TrainingState.IDLE and group.is_unsharded
+                    ):
+                        group.post_backward()
+                    group.training_state = TrainingState.IDLE
+                state.training_state = TrainingState.IDLE
+            if ctx.is_last_backward:
+                self.comm_ctx.complete_reduces()
+                for state in ctx.all_states:
+                    if state.group is not None:
+                        state.group.finalize_backward()
+                self.comm_ctx.post_forward_order.clear()
+        finally:
+            ctx.final_callback_queued = False
+            ctx.iter_forward_root = None
+
+    def reset_iter_state(self) -> None:
+        """After an exception in forward or backward: back to a clean, sharded state."""
+        if not self.is_root:
+            raise RuntimeError("reset_iter_state() must be called on the root FSDP module")
+        self.comm_ctx.discard_reduces()
+        self.comm_ctx.post_forward_order.clear()
+        for state in self.ctx.all_states:
+            state.training_state = TrainingState.IDLE
+            state._modules_in_forward.clear()
+            if state.group is not None:
+                state.group.reset()
+        self.ctx.iter_forward_root = None
+        self.ctx.final_callback_queued = False
+
+
+def _check_no_param_in_two_groups(states: list[FSDPState]) -> None:
+    owner: dict[int, FSDPState] = {}
+    for state in states:
+        if state.group is None:
+            continue
+        for param in state.group.params:
+            other = owner.setdefault(param.orig_param_id, state)
+            if other is not state:
+                raise ValueError(
+                    f"parameter {param.fqn} is shared by {other} and {state}, which shard it "
+                    "separately; shard the modules that share it in one call, e.g. "
+                    "fully_shard([module_a, module_b])"
+                )
