@@ -46,6 +46,7 @@ class AllGatherResult:
 
     output: torch.Tensor  # 1D flat, world_size * sum(input_numels) elements
     input_numels: list[int]  # per parameter, in elements of output's dtype
+    world_size: int  # ranks that contributed, i.e. rows of the output
     work: dist.Work | None = None
 
     def wait(self) -> None:
@@ -55,35 +56,41 @@ class AllGatherResult:
 
 
 def foreach_all_gather(
-    params: list[ShardedParam], mesh_info: MeshInfo, *, async_op: bool
+    inputs: list[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    world_size: int,
+    rank: int,
+    *,
+    async_op: bool,
 ) -> AllGatherResult:
-    """Copy every parameter's shard into one buffer and all-gather it over the shard group."""
-    inputs = [param.all_gather_input() for param in params]
+    """Copy every input into this rank's slice of one buffer and all-gather it in place."""
     if len({t.dtype for t in inputs}) > 1:
         # Mixed dtypes (e.g. a frozen non-float parameter): move raw bytes instead.
         inputs = [t.view(torch.uint8) for t in inputs]
     numels = [t.numel() for t in inputs]
     total = sum(numels)
-    world_size, rank = mesh_info.shard_size, mesh_info.shard_rank
     output = torch.empty(total * world_size, dtype=inputs[0].dtype, device=inputs[0].device)
     my_slice = output.narrow(0, total * rank, total)
     torch._foreach_copy_(list(my_slice.split(numels)), inputs)
     work = None
     if world_size > 1:
-        work = comms.all_gather(output, my_slice, mesh_info.shard_group, async_op=async_op)
-    return AllGatherResult(output, numels, work if async_op else None)
+        work = comms.all_gather(output, my_slice, group, async_op=async_op)
+    return AllGatherResult(output, numels, world_size, work if async_op else None)
 
 
 def foreach_all_gather_copy_out(result: AllGatherResult, params: list[ShardedParam]) -> None:
-    """Split the gathered ``(world_size, N)`` buffer into each parameter's ``gathered``."""
+    """Split the gathered ``(world_size, N)`` buffer into each parameter's ``gathered``.
+
+    Row r of ``result`` holds rank r's inputs side by side; each parameter's ``gathered``
+    buffer, viewed with the same number of rows, receives its column block.
+    """
     result.wait()
     for param in params:
         param.alloc_gathered()
-    targets = [param.gathered_rows() for param in params]
+    targets = [param.gathered.data.view(result.world_size, -1) for param in params]
     if result.output.dtype == torch.uint8:
         targets = [t.view(torch.uint8) for t in targets]
-    world_size = targets[0].size(0)
-    rows = result.output.view(world_size, -1)
+    rows = result.output.view(result.world_size, -1)
     torch.split_with_sizes_copy(rows, result.input_numels, dim=1, out=targets)
     for param in params:
         param.finish_unshard()

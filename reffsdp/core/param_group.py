@@ -38,6 +38,7 @@ class ParamGroup:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         reshard_after_forward: bool = True,
+        post_forward_mesh_info: MeshInfo | None = None,
     ) -> None:
         self.params = params
         self.modules = modules
@@ -45,6 +46,8 @@ class ParamGroup:
         self.device = device
         self._mp_dtypes = (param_dtype, reduce_dtype)
         self.reshard_after_forward = reshard_after_forward
+        # reshard_after_forward=k: a mesh whose shard dim groups k ranks (see unshard()).
+        self.post_forward_mesh_info = post_forward_mesh_info
         self.comm_ctx = CommContext()
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
@@ -100,8 +103,19 @@ class ParamGroup:
         if self._all_gather is not None or self.sharded_state is ShardedState.UNSHARDED:
             return
         self.lazy_init()
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+            mesh_info = self.post_forward_mesh_info
+            assert mesh_info is not None
+            inputs = [p.post_forward_all_gather_input() for p in self.params]
+        else:
+            mesh_info = self.mesh_info
+            inputs = [p.all_gather_input() for p in self.params]
         self._all_gather = collectives.foreach_all_gather(
-            self.params, self.mesh_info, async_op=async_op
+            inputs,
+            mesh_info.shard_group,
+            mesh_info.shard_size,
+            mesh_info.shard_rank,
+            async_op=async_op,
         )
 
     def wait_for_unshard(self) -> None:
@@ -125,6 +139,15 @@ class ParamGroup:
             param.to_sharded()
         self.sharded_state = ShardedState.SHARDED
 
+    def _reshard_post_forward(self) -> None:
+        if self.sharded_state is not ShardedState.UNSHARDED:
+            return
+        info = self.post_forward_mesh_info
+        assert info is not None
+        for param in self.params:
+            param.to_sharded_post_forward(info.shard_rank, info.shard_size)
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+
     @property
     def is_unsharded(self) -> bool:
         return self.sharded_state is ShardedState.UNSHARDED
@@ -143,7 +166,9 @@ class ParamGroup:
         self.wait_for_unshard()
 
     def post_forward(self) -> None:
-        if self.reshard_after_forward:
+        if self.reshard_after_forward and self.post_forward_mesh_info is not None:
+            self._reshard_post_forward()
+        elif self.reshard_after_forward:
             self.reshard()
         self._post_forward_indices.append(len(self.comm_ctx.post_forward_order))
         self.comm_ctx.post_forward_order.append(self)

@@ -91,6 +91,8 @@ class ShardedParam:
         self.gathered: torch.Tensor | None = None
         self.unsharded_param: nn.Parameter | None = None
         self._unsharded_data: torch.Tensor | None = None
+        # reshard_after_forward=k: this rank's block of ``gathered`` between fwd and bwd.
+        self.post_forward_shard: torch.Tensor | None = None
         # Gradient kept across backwards while gradient sync is off (in reduce dtype).
         self.unsharded_accumulated_grad: torch.Tensor | None = None
 
@@ -144,6 +146,20 @@ class ShardedParam:
         self.unsharded_param = None
         self._unsharded_data = None
 
+    def adopt_registered_param(self) -> None:
+        """Take over a parameter that replaced ours (``load_state_dict(assign=True)``)."""
+        current = self.refs[0].module._parameters[self.refs[0].name]
+        if current is not self.sharded_param and current is not None:
+            if not isinstance(current, DTensor) or current.placements != self.sharded_param.placements:
+                raise ValueError(
+                    f"load_state_dict(assign=True) for {self.fqn} needs a DTensor with "
+                    f"placements {self.sharded_param.placements}, got {type(current).__name__}"
+                )
+            self.sharded_param = current
+            for ref in self.refs[1:]:
+                ref.set(current)
+        self.reset_sharded_param()
+
     def init_dtypes(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
         """Resolve mixed precision for this parameter (see the module docstring of
         ``param_group``): drop casts that would be no-ops."""
@@ -193,10 +209,19 @@ class ShardedParam:
         if storage.size() != nbytes:
             storage.resize_(nbytes)
 
-    def gathered_rows(self) -> torch.Tensor:
-        """``gathered`` as ``(world_size, padded_shard_numel)``, for copy-out (see lifecycle note)."""
+    def keep_post_forward_shard(self, rank: int, world_size: int) -> None:
+        """Keep this rank's ``1/world_size`` of ``gathered`` for a cheaper backward all-gather.
+
+        With ``reshard_after_forward=k``, rank ``j`` of a ``k``-rank subgroup keeps the
+        ``j``-th block of ``gathered``; gathering the blocks over the subgroup rebuilds it.
+        """
         assert self.gathered is not None
-        return self.gathered.data.view(self.layout.world_size, -1)
+        self.post_forward_shard = self.gathered.detach().chunk(world_size)[rank].clone()
+
+    def post_forward_all_gather_input(self) -> torch.Tensor:
+        assert self.post_forward_shard is not None
+        shard, self.post_forward_shard = self.post_forward_shard, None
+        return shard
 
     def finish_unshard(self) -> None:
         """After copy-out: build (once) or refresh the unsharded parameter."""
@@ -231,7 +256,20 @@ class ShardedParam:
         for ref in self.refs:
             ref.set(self.sharded_param)
         self.free_unsharded()
+        self.post_forward_shard = None
         self.sharded_state = ShardedState.SHARDED
+
+    def to_sharded_post_forward(self, rank: int, world_size: int) -> None:
+        """Register the sharded parameter but keep a larger block for backward's all-gather.
+
+        The registered tensor is the ordinary sharded parameter, so the module always shows
+        a correct sharded view; only the all-gather source differs.
+        """
+        self.keep_post_forward_shard(rank, world_size)
+        for ref in self.refs:
+            ref.set(self.sharded_param)
+        self.free_unsharded()
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def to_unsharded(self) -> None:
         assert self.unsharded_param is not None, "to_unsharded() before an all-gather finished"

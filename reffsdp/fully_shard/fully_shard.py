@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from ..core.mesh import default_mesh, device_for, mesh_info_for
+from ..core.mesh import MeshInfo, default_mesh, device_for, mesh_info_for
 from ..core.param_group import ParamGroup
 from ..core.sharded_param import ShardedParam, unique_params
 from .api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
@@ -60,7 +60,9 @@ def fully_shard(
     mesh = mesh if mesh is not None else default_mesh()
     mesh_info = mesh_info_for(mesh)
     device = device_for(mesh)
-    reshard = _resolve_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
+    reshard, post_forward_mesh_info = _resolve_reshard_after_forward(
+        reshard_after_forward, mesh_info
+    )
 
     managed = _managed_modules(modules)
     ignored = {id(p) for p in ignored_params or ()}
@@ -76,6 +78,7 @@ def fully_shard(
             param_dtype=mp_policy.param_dtype,
             reduce_dtype=mp_policy.reduce_dtype,
             reshard_after_forward=reshard,
+            post_forward_mesh_info=post_forward_mesh_info,
         )
     FSDPState(modules, group, device, mp_policy, auto_reshard_root=reshard_after_forward is None)
     for m in modules:
@@ -100,11 +103,15 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
             raise AssertionError(f"fully_shard was already applied to {type(m).__name__}")
 
 
-def _resolve_reshard_after_forward(value: bool | int | None, shard_size: int) -> bool:
+def _resolve_reshard_after_forward(
+    value: bool | int | None, mesh_info: MeshInfo
+) -> tuple[bool, MeshInfo | None]:
+    """``(reshard?, post-forward mesh)``; an int ``k`` reshards to groups of ``k`` ranks."""
     if value is None or isinstance(value, bool):
-        return value is not False
+        return value is not False, None
     if not isinstance(value, int):
         raise ValueError(f"reshard_after_forward must be a bool or int, got {value!r}")
+    shard_size = mesh_info.shard_size
     if value < 1 or value > shard_size or shard_size % value != 0:
         raise ValueError(
             f"reshard_after_forward={value} must divide the shard size {shard_size} "
@@ -116,12 +123,15 @@ def _resolve_reshard_after_forward(value: bool | int | None, shard_size: int) ->
             "pass False instead",
             stacklevel=3,
         )
-        return False
+        return False, None
     if value == shard_size:
-        return True
-    raise NotImplementedError(
-        f"reshard_after_forward={value} (resharding to a subgroup) is not supported yet"
+        return True, None
+    # Rows of k consecutive ranks; dim 1 of this mesh is the backward all-gather group.
+    ranks = mesh_info.mesh.mesh.reshape(-1, value)
+    post_forward_mesh = DeviceMesh(
+        mesh_info.device_type, ranks, mesh_dim_names=("post_forward_replicate", "post_forward_shard")
     )
+    return True, MeshInfo(post_forward_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
 
 
 def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:

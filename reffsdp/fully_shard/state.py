@@ -82,6 +82,9 @@ class FSDPState:
             module.__dict__[_STATE_KEY] = self
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward)
+            module.register_state_dict_pre_hook(self._before_state_dict)
+            module.register_load_state_dict_pre_hook(self._before_state_dict)
+            module.register_load_state_dict_post_hook(self._after_load_state_dict)
 
     def __repr__(self) -> str:
         return f"FSDPState({', '.join(type(m).__name__ for m in self.modules)})"
@@ -200,6 +203,20 @@ class FSDPState:
             return output
         cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
         return tree_map_only(torch.Tensor, cast, output)
+
+    # -- state dict hooks ---------------------------------------------------------------
+
+    def _before_state_dict(self, *args: Any) -> None:
+        # Saving or loading always sees the sharded DTensors, even between a forward with
+        # reshard_after_forward=False and its backward.
+        if self.group is not None:
+            self.group.reshard()
+
+    def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
+        # load_state_dict(assign=True) registers new DTensors: adopt them and re-pad.
+        if self.group is not None:
+            for param in self.group.params:
+                param.adopt_registered_param()
 
     # -- backward hooks -----------------------------------------------------------------
 
