@@ -107,6 +107,7 @@ class ReducePlan:
     all_reduce_op: object
     pre_factor: float | None  # divide before the collective
     post_factor: float | None  # divide after the collective
+    premul_factor: float | None = None  # the factor inside a PREMUL_SUM op
 
 
 def _supports(group: dist.ProcessGroup, op_name: str) -> bool:
@@ -139,7 +140,8 @@ def plan_reduction(
         elif divide_factor == mesh_info.shard_size and _supports(group, "avg"):
             return ReducePlan(dist.ReduceOp.AVG, sum_op, None, None)
         elif _supports(group, "premul_sum"):
-            return ReducePlan(comms.premul_sum(1.0 / divide_factor), sum_op, None, None)
+            factor = 1.0 / divide_factor
+            return ReducePlan(comms.premul_sum(factor), sum_op, None, None, factor)
     factor = divide_factor if divide_factor is not None else dp_size
     if overflow_risk and not force_sum:
         pre, post = pre_post_divide_factors(factor)
@@ -148,6 +150,22 @@ def plan_reduction(
     return ReducePlan(
         sum_op, sum_op, pre if pre > 1 else None, post if post not in (None, 1) else None
     )
+
+
+@dataclass
+class PartialReduce:
+    """HSDP with the all-reduce off: reduce-scatter outputs summed until it is back on."""
+
+    tensor: torch.Tensor | None = None
+
+    def add(self, output: torch.Tensor) -> None:
+        self.tensor = output.clone() if self.tensor is None else self.tensor.add_(output)
+
+    def fold_into(self, output: torch.Tensor) -> torch.Tensor:
+        if self.tensor is not None:
+            output = output.add_(self.tensor)
+            self.tensor = None
+        return output
 
 
 @dataclass
@@ -161,6 +179,9 @@ class PendingReduce:
     mesh_info: MeshInfo
     work: dist.Work | None = None
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    # HSDP: whether to all-reduce now, and where to park outputs while not.
+    all_reduce: bool = True
+    partial: PartialReduce | None = None
     completed: bool = field(default=False)
 
     def complete(self) -> None:
@@ -171,12 +192,22 @@ class PendingReduce:
             self.work.wait()
         output = self.output
         if self.mesh_info.is_hsdp:
+            assert self.partial is not None
+            if not self.all_reduce:
+                self.partial.add(output)
+                self.input = self.output = None  # type: ignore[assignment]
+                return
+            output = self.partial.fold_into(output)
             comms.all_reduce(output, self.mesh_info.replicate_group, op=self.plan.all_reduce_op)
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(output)
         if self.plan.post_factor is not None:
             output.div_(self.plan.post_factor)
         _write_sharded_grads(self.params, output)
+        if any(p.pin_memory for p in self.params):
+            # Non-blocking device-to-host gradient copies must land before the optimizer
+            # (on the CPU) reads them.
+            torch.accelerator.current_stream().synchronize()
         self.input = self.output = None  # type: ignore[assignment]
 
 
@@ -209,6 +240,8 @@ def foreach_reduce(
     *,
     async_op: bool,
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None,
+    all_reduce: bool = True,
+    partial: PartialReduce | None = None,
 ) -> PendingReduce:
     """Reduce-scatter all ``grads`` in one collective (see [Note: one collective per group])."""
     world_size = mesh_info.shard_size
@@ -219,20 +252,22 @@ def foreach_reduce(
     if plan.pre_factor is not None:
         rs_input.div_(plan.pre_factor)
     if world_size == 1:
-        output = rs_input
-        if plan.reduce_scatter_op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            output = rs_input * rs_input.new_tensor(_premul_factor(plan.reduce_scatter_op))
-        return PendingReduce(
-            params, rs_input, output, plan, mesh_info, None, all_reduce_hook
+        # One rank: the reduction is the identity (AVG and SUM alike) up to a premultiply.
+        output = rs_input if plan.premul_factor is None else rs_input.mul_(plan.premul_factor)
+        work = None
+    else:
+        output = rs_input.new_empty(shard_numel)
+        work = comms.reduce_scatter(
+            output, rs_input, mesh_info.shard_group, op=plan.reduce_scatter_op, async_op=async_op
         )
-    output = rs_input.new_empty(shard_numel)
-    work = comms.reduce_scatter(
-        output, rs_input, mesh_info.shard_group, op=plan.reduce_scatter_op, async_op=async_op
-    )
     return PendingReduce(
-        params, rs_input, output, plan, mesh_info, work if async_op else None, all_reduce_hook
+        params,
+        rs_input,
+        output,
+        plan,
+        mesh_info,
+        work if async_op else None,
+        all_reduce_hook,
+        all_reduce,
+        partial,
     )
-
-
-def _premul_factor(op: object) -> float:
-    return float(getattr(op, "factor", 1.0))

@@ -53,6 +53,7 @@ class ParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: AllGatherResult | None = None
         self._post_forward_indices: list[int] = []
+        self._partial_reduce = collectives.PartialReduce()
         self._initialized = False
         # Knobs set through FSDPModule methods.
         self.reduce_grads = True
@@ -231,6 +232,8 @@ class ParamGroup:
             plan,
             async_op=True,
             all_reduce_hook=self.all_reduce_hook,
+            all_reduce=self.all_reduce_grads,
+            partial=self._partial_reduce,
         )
         self.comm_ctx.add_pending_reduce(pending)
 
@@ -258,5 +261,6 @@ class ParamGroup:
         self.reshard()
         for param in self.params:
             param.discard_grads()
+        self._partial_reduce = collectives.PartialReduce()
         self._post_forward_indices.clear()
         self.training_state = TrainingState.IDLE

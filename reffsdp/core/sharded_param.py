@@ -67,6 +67,9 @@ class ShardedParam:
         mesh_info: MeshInfo,
         device: torch.device,
         shard_dim: int = 0,
+        *,
+        offload: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         if param.dim() == 0:
             raise ValueError(f"fully_shard cannot shard a scalar (0-dim) parameter: {refs[0]}")
@@ -100,6 +103,12 @@ class ShardedParam:
         if on_device.device != device and on_device.device.type != "meta":
             on_device = on_device.to(device)
         self.padded_shard = shard_tensor(on_device, self.layout).view(-1)
+        # CPU offload: the shard (hence grads and optimizer state) lives on the host; a CPU
+        # compute device makes this a no-op. Pinned memory lets copies overlap compute.
+        self.offload = offload and device.type != "cpu"
+        self.pin_memory = pin_memory and self.offload
+        if self.offload:
+            self.padded_shard = self._to_host(self.padded_shard)
         self.sharded_param = nn.Parameter(
             self._to_dtensor(self._local_view()), requires_grad=param.requires_grad
         )
@@ -140,7 +149,11 @@ class ShardedParam:
             padded.narrow(self.shard_dim, 0, self.layout.local_rows).copy_(local)
         self.padded_shard = padded.view(-1)
         self.orig_dtype = local.dtype
-        self.device = local.device if local.device.type != "meta" else self.device
+        if self.offload and local.device.type not in ("cpu", "meta"):
+            raise RuntimeError(
+                f"{self.fqn}: with CPU offload, sharded parameters must be on the CPU, got "
+                f"{local.device}; load a CPU state dict or use to_empty(device='cpu')"
+            )
         _set_local_tensor(self.sharded_param, self._local_view())
         self.gathered = None
         self.unsharded_param = None
@@ -159,6 +172,10 @@ class ShardedParam:
             for ref in self.refs[1:]:
                 ref.set(current)
         self.reset_sharded_param()
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        host = tensor.to("cpu")
+        return host.pin_memory() if self.pin_memory else host
 
     def init_dtypes(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
         """Resolve mixed precision for this parameter (see the module docstring of
@@ -307,6 +324,8 @@ class ShardedParam:
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Add a reduced local gradient into the sharded parameter's DTensor ``.grad``."""
         param = self.sharded_param
+        if self.offload:
+            local_grad = local_grad.to("cpu", non_blocking=self.pin_memory)
         if param.grad is None:
             param.grad = self.to_sharded_dtensor(local_grad)
         else:

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Shard
 from ..core.mesh import MeshInfo, default_mesh, device_for, mesh_info_for
 from ..core.param_group import ParamGroup
 from ..core.sharded_param import ShardedParam, unique_params
-from .api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .module import FSDPModule
 from .state import FSDPState, state_of
 
@@ -66,7 +66,11 @@ def fully_shard(
 
     managed = _managed_modules(modules)
     ignored = {id(p) for p in ignored_params or ()}
-    sharded = _shard_params(managed, ignored, mesh_info, device, shard_placement_fn)
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
+    sharded = _shard_params(
+        managed, ignored, mesh_info, device, shard_placement_fn, offload_policy
+    )
     _move_buffers(managed, device)
     group = None
     if sharded:
@@ -153,7 +157,11 @@ def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
     return managed
 
 
-def _shard_params(managed, ignored, mesh_info, device, shard_placement_fn) -> list[ShardedParam]:
+def _shard_params(
+    managed, ignored, mesh_info, device, shard_placement_fn, offload_policy
+) -> list[ShardedParam]:
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    pin_memory = offload and offload_policy.pin_memory
     triples = [
         (m, name, p)
         for m in managed
@@ -174,7 +182,9 @@ def _shard_params(managed, ignored, mesh_info, device, shard_placement_fn) -> li
                 f"shard_placement_fn must return None or a Shard placement, got {placement!r}"
             )
         shard_dim = placement.dim if placement is not None else 0
-        sharded_param = ShardedParam(param, refs, mesh_info, device, shard_dim)
+        sharded_param = ShardedParam(
+            param, refs, mesh_info, device, shard_dim, offload=offload, pin_memory=pin_memory
+        )
         for ref in refs:
             ref.set(sharded_param.sharded_param)
         _sharded_params[id(sharded_param.sharded_param)] = sharded_param.sharded_param
