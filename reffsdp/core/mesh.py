@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 @dataclass
@@ -88,3 +89,51 @@ def default_mesh() -> DeviceMesh:
     if accelerator is not None and torch.accelerator.is_available() and backend != "gloo":
         device_type = accelerator.type
     return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+@dataclass(frozen=True)
+class TensorParallelSpec:
+    """How a parameter was distributed before FSDP saw it (tensor or expert parallel).
+
+    FSDP then shards the *local* tensor-parallel shard over the data-parallel mesh; the
+    unsharded parameter it computes with is again a DTensor with exactly this spec.
+    """
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+
+
+def sharded_spec(
+    mesh_info: MeshInfo, shard_dim: int, tp: TensorParallelSpec | None
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """Mesh and placements of a sharded parameter: data-parallel dims, then TP dims.
+
+    [Note: strided sharding]
+    When tensor parallelism already shards dim ``d`` and FSDP shards the local TP shard on
+    ``d`` again, the DP placement comes first in the placements but is applied second. A
+    plain ``Shard(d)`` would describe the opposite order, so the DP placement becomes
+    ``_StridedShard(d, split_factor=<TP shards on d>)``. With dp = tp = 2 and 8 rows:
+    TP rank t holds rows ``4t .. 4t+3``; DP rank p holds rows ``4t + 2p, 4t + 2p + 1`` of
+    those, which is what ``(_StridedShard(0, split_factor=2), Shard(0))`` means.
+    """
+    if tp is None:
+        return mesh_info.mesh, mesh_info.placements(Shard(shard_dim))
+    if tp.mesh.device_type != mesh_info.device_type:
+        raise ValueError(
+            f"parameter DTensor lives on a {tp.mesh.device_type} mesh but fully_shard's mesh "
+            f"is {mesh_info.device_type}"
+        )
+    if len(tp.placements) > 2:
+        raise NotImplementedError(
+            f"fully_shard supports at most 2 tensor/expert-parallel mesh dims, got {tp.placements}"
+        )
+    tp_shards = 1
+    for dim, placement in enumerate(tp.placements):
+        if isinstance(placement, Shard) and placement.dim == shard_dim:
+            tp_shards *= tp.mesh.size(dim)
+    dp_placement: Placement = Shard(shard_dim)
+    if tp_shards > 1:
+        dp_placement = _StridedShard(shard_dim, split_factor=tp_shards)
+    # Both meshes slice one root mesh; DeviceMesh has no public way to join them yet.
+    mesh = DeviceMesh._concatenate([mesh_info.mesh, tp.mesh])
+    return mesh, (*mesh_info.placements(dp_placement), *tp.placements)

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from .mesh import MeshInfo
+from .mesh import MeshInfo, TensorParallelSpec, sharded_spec
 from .sharding import ShardLayout, contiguous_strides, shard_tensor, unshard_from_gathered
 from .states import ShardedState
 
@@ -84,8 +84,15 @@ class ShardedParam:
         self.mesh_info = mesh_info
         self.device = device
         self.shard_dim = shard_dim % param.dim()
+        # A DTensor parameter (tensor parallel): FSDP shards its local shard.
+        self.tp_spec: TensorParallelSpec | None = None
+        if isinstance(param, DTensor):
+            self.tp_spec = TensorParallelSpec(param.device_mesh, tuple(param.placements))
+        self.global_size = param.size()
+        self.spec_mesh, self.spec_placements = sharded_spec(mesh_info, self.shard_dim, self.tp_spec)
+        local_param = param.to_local() if isinstance(param, DTensor) else param
         self.layout = ShardLayout(
-            param.size(), self.shard_dim, mesh_info.shard_size, mesh_info.shard_rank
+            local_param.size(), self.shard_dim, mesh_info.shard_size, mesh_info.shard_rank
         )
         self.orig_dtype = param.dtype
         self.param_dtype: torch.dtype | None = None
@@ -99,7 +106,7 @@ class ShardedParam:
         # Gradient kept across backwards while gradient sync is off (in reduce dtype).
         self.unsharded_accumulated_grad: torch.Tensor | None = None
 
-        on_device = param.detach()
+        on_device = local_param.detach()
         if on_device.device != device and on_device.device.type != "meta":
             on_device = on_device.to(device)
         self.padded_shard = shard_tensor(on_device, self.layout).view(-1)
@@ -122,11 +129,11 @@ class ShardedParam:
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(
             local,
-            self.mesh_info.mesh,
-            self.mesh_info.placements(Shard(self.shard_dim)),
+            self.spec_mesh,
+            self.spec_placements,
             run_check=False,
-            shape=self.layout.global_size,
-            stride=contiguous_strides(self.layout.global_size),
+            shape=self.global_size,
+            stride=contiguous_strides(self.global_size),
         )
 
     def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
@@ -257,6 +264,15 @@ class ShardedParam:
             data = self._unsharded_data
             if data is None:
                 data = unshard_from_gathered(self.gathered, self.layout)
+            if self.tp_spec is not None:
+                data = DTensor.from_local(
+                    data,
+                    self.tp_spec.mesh,
+                    self.tp_spec.placements,
+                    run_check=False,
+                    shape=self.global_size,
+                    stride=contiguous_strides(self.global_size),
+                )
             self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
         if self.unsharded_param.requires_grad != self.requires_grad:
             self.unsharded_param.requires_grad_(self.requires_grad)
@@ -277,6 +293,14 @@ class ShardedParam:
         self.sharded_state = ShardedState.SHARDED
 
     def to_sharded_post_forward(self, rank: int, world_size: int) -> None:
+        if self.tp_spec is not None:
+            raise NotImplementedError(
+                f"{self.fqn}: an int reshard_after_forward is not supported for DTensor "
+                "(tensor-parallel) parameters"
+            )
+        self._to_sharded_post_forward(rank, world_size)
+
+    def _to_sharded_post_forward(self, rank: int, world_size: int) -> None:
         """Register the sharded parameter but keep a larger block for backward's all-gather.
 
         The registered tensor is the ordinary sharded parameter, so the module always shows
@@ -300,7 +324,7 @@ class ShardedParam:
         """Pop this iteration's unsharded gradient (plus any accumulated with sync off)."""
         grad = None
         if self.unsharded_param is not None and self.unsharded_param.grad is not None:
-            grad = self.unsharded_param.grad
+            grad = self._local_unsharded_grad()
             self.unsharded_param.grad = None
         if self.unsharded_accumulated_grad is not None:
             if grad is not None:
@@ -313,13 +337,25 @@ class ShardedParam:
         """With gradient sync off: keep this backward's gradient for a later synced one."""
         if self.unsharded_param is None or self.unsharded_param.grad is None:
             return
-        grad = self.unsharded_param.grad
+        grad = self._local_unsharded_grad()
         self.unsharded_param.grad = None
         dtype = self.reduce_dtype or grad.dtype
         if self.unsharded_accumulated_grad is None:
             self.unsharded_accumulated_grad = grad.to(dtype, copy=True)
         else:
             self.unsharded_accumulated_grad += grad
+
+    def _local_unsharded_grad(self) -> torch.Tensor:
+        """The unsharded gradient as a plain tensor: for TP, in the parameter's own layout.
+
+        A TP gradient may arrive with other placements (e.g. ``Partial``); redistributing
+        it to the parameter's spec first makes its local tensor line up with our shards.
+        """
+        assert self.unsharded_param is not None and self.unsharded_param.grad is not None
+        grad = self.unsharded_param.grad
+        if self.tp_spec is None or not isinstance(grad, DTensor):
+            return grad
+        return grad.redistribute(self.tp_spec.mesh, self.tp_spec.placements).to_local()
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Add a reduced local gradient into the sharded parameter's DTensor ``.grad``."""
