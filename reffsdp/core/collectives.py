@@ -62,6 +62,7 @@ def foreach_all_gather(
     rank: int,
     *,
     async_op: bool,
+    comm: comms.AllGather | None = None,
 ) -> AllGatherResult:
     """Copy every input into this rank's slice of one buffer and all-gather it in place."""
     if len({t.dtype for t in inputs}) > 1:
@@ -69,12 +70,13 @@ def foreach_all_gather(
         inputs = [t.view(torch.uint8) for t in inputs]
     numels = [t.numel() for t in inputs]
     total = sum(numels)
-    output = torch.empty(total * world_size, dtype=inputs[0].dtype, device=inputs[0].device)
+    comm = comm or comms.DefaultAllGather()
+    output = comm.allocate((total * world_size,), dtype=inputs[0].dtype, device=inputs[0].device)
     my_slice = output.narrow(0, total * rank, total)
     torch._foreach_copy_(list(my_slice.split(numels)), inputs)
     work = None
     if world_size > 1:
-        work = comms.all_gather(output, my_slice, group, async_op=async_op)
+        work = comm(output, my_slice, group, async_op=async_op)
     return AllGatherResult(output, numels, world_size, work if async_op else None)
 
 
@@ -242,12 +244,17 @@ def foreach_reduce(
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None,
     all_reduce: bool = True,
     partial: PartialReduce | None = None,
+    comm: comms.ReduceScatter | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> PendingReduce:
     """Reduce-scatter all ``grads`` in one collective (see [Note: one collective per group])."""
     world_size = mesh_info.shard_size
     grads = [_as_dim0_chunks(g, p) for g, p in zip(grads, params)]
     shard_numel = sum(p.layout.padded_shard_numel for p in params)
-    rs_input = torch.empty(world_size * shard_numel, dtype=reduce_dtype, device=grads[0].device)
+    comm = comm or comms.DefaultReduceScatter()
+    rs_input = comm.allocate(
+        (world_size * shard_numel,), dtype=reduce_dtype, device=grads[0].device
+    )
     torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=rs_input.view(world_size, -1))
     if plan.pre_factor is not None:
         rs_input.div_(plan.pre_factor)
@@ -257,9 +264,8 @@ def foreach_reduce(
         work = None
     else:
         output = rs_input.new_empty(shard_numel)
-        work = comms.reduce_scatter(
-            output, rs_input, mesh_info.shard_group, op=plan.reduce_scatter_op, async_op=async_op
-        )
+        group = group if group is not None else mesh_info.shard_group
+        work = comm(output, rs_input, group, plan.reduce_scatter_op, async_op=async_op)
     return PendingReduce(
         params,
         rs_input,

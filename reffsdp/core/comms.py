@@ -19,10 +19,12 @@ calls, exactly as in a multi-process run.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import enum
 import threading
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -158,3 +160,76 @@ def premul_sum(factor: float) -> Any:
     if maker is not None:
         return maker(factor)
     return ReduceOp.PREMUL_SUM(factor)
+
+
+class Comm(abc.ABC):
+    """A user-supplied collective (``set_custom_all_gather`` / ``set_custom_reduce_scatter``)."""
+
+    @abc.abstractmethod
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """Allocate the buffer the collective writes into (or reads from)."""
+
+
+class AllGather(Comm):
+    @abc.abstractmethod
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None: ...
+
+
+class ReduceScatter(Comm):
+    @abc.abstractmethod
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None: ...
+
+
+class DefaultAllGather(AllGather):
+    """``torch.empty`` buffers and :func:`all_gather` (so interceptors still see the call)."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return all_gather(output_tensor, input_tensor, group, async_op=async_op)
+
+
+class DefaultReduceScatter(ReduceScatter):
+    """``torch.empty`` buffers and :func:`reduce_scatter`."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        return reduce_scatter(output_tensor, input_tensor, group, op=op, async_op=async_op)
+
+
+def same_ranks_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A second process group over ``group``'s ranks, created once per group.
+
+    Reduce-scatters on their own group can run concurrently with all-gathers on the
+    original one. Only the group's ranks take part in creating it.
+    """
+    separate = _separate_groups.get(group)
+    if separate is None:
+        ranks = dist.get_process_group_ranks(group)
+        separate = dist.new_group(ranks, use_local_synchronization=True)
+        _separate_groups[group] = separate
+    return separate
+
+
+# One separate group per original group, for the life of the original group.
+_separate_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
+    weakref.WeakKeyDictionary()
+)

@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from . import collectives
+from . import collectives, comms
 from .collectives import AllGatherResult
 from .mesh import MeshInfo
 from .runtime import CommContext
@@ -65,6 +66,9 @@ class ParamGroup:
         self.force_sum_reduction = False
         self.reduce_scatter_unused_params = False
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_gather_comm: comms.AllGather | None = None
+        self.reduce_scatter_comm: comms.ReduceScatter | None = None
+        self.reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
 
     def __repr__(self) -> str:
         names = ", ".join(type(m).__name__ for m in self.modules)
@@ -117,6 +121,7 @@ class ParamGroup:
             mesh_info.shard_size,
             mesh_info.shard_rank,
             async_op=async_op,
+            comm=self.all_gather_comm,
         )
 
     def wait_for_unshard(self) -> None:
@@ -234,6 +239,8 @@ class ParamGroup:
             all_reduce_hook=self.all_reduce_hook,
             all_reduce=self.all_reduce_grads,
             partial=self._partial_reduce,
+            comm=self.reduce_scatter_comm,
+            group=self.reduce_scatter_group,
         )
         self.comm_ctx.add_pending_reduce(pending)
 

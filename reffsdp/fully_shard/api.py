@@ -6,6 +6,18 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.comms import AllGather, Comm, ReduceScatter
+
+__all__ = [
+    "AllGather",
+    "CPUOffloadPolicy",
+    "Comm",
+    "DataParallelMeshDims",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "ReduceScatter",
+]
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..core import comms
 from ..core.param_group import ParamGroup
 from .state import FSDPState, state_of
 
@@ -174,6 +175,44 @@ class FSDPModule:
             raise ValueError(f"max_input_buffers must be at least 1, got {max_input_buffers}")
         for module in self._fsdp_modules(recurse):
             module._get_fsdp_state().comm_ctx.max_pending_reduces = max_input_buffers
+
+    # -- custom communication -----------------------------------------------------------
+
+    def set_custom_all_gather(self, comm: comms.AllGather) -> None:
+        """All-gather this module's parameters with ``comm`` (allocation and collective)."""
+        self._single_group("set_custom_all_gather").all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: comms.ReduceScatter) -> None:
+        """Reduce-scatter this module's gradients with ``comm``."""
+        self._single_group("set_custom_reduce_scatter").reduce_scatter_comm = comm
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True):
+        """Reduce-scatter on a second process group over the same ranks as the all-gather,
+        so the two kinds of collective do not queue behind each other."""
+        for module in self._fsdp_modules(recurse):
+            for group in module._groups():
+                shard_group = group.mesh_info.shard_group
+                group.reduce_scatter_group = (
+                    comms.same_ranks_group(shard_group) if enable and shard_group else None
+                )
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted for compatibility: buffers always come from the caching allocator."""
+        for group in self._groups():
+            if group.all_gather_comm is not None or group.reduce_scatter_comm is not None:
+                raise AssertionError(
+                    "set_allocate_memory_from_process_group_for_comm cannot be combined with "
+                    "a custom all-gather or reduce-scatter"
+                )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        raise NotImplementedError("reffsdp does not implement symmetric-memory collectives")
+
+    def _single_group(self, method: str) -> ParamGroup:
+        groups = self._groups()
+        if len(groups) != 1:
+            raise ValueError(f"{method} needs a module with exactly one parameter group")
+        return groups[0]
 
     # -- prefetching --------------------------------------------------------------------
 
