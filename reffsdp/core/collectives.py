@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from . import comms
 from .mesh import MeshInfo
 from .sharded_param import ShardedParam
 from .sharding import pre_post_divide_factors
+from .streams import wait_event_on_current_stream
 
 # -- all-gather ----------------------------------------------------------------------------
 
@@ -48,11 +50,15 @@ class AllGatherResult:
     input_numels: list[int]  # per parameter, in elements of output's dtype
     world_size: int  # ranks that contributed, i.e. rows of the output
     work: dist.Work | None = None
+    event: Any = None  # recorded on the all-gather stream after the collective (CUDA)
 
     def wait(self) -> None:
+        """Make the current stream (and, for CPU backends, the caller) wait for the data."""
         if self.work is not None:
             self.work.wait()
             self.work = None
+        wait_event_on_current_stream(self.event)
+        self.event = None
 
 
 def foreach_all_gather(

@@ -108,21 +108,26 @@ class ParamGroup:
         if self._all_gather is not None or self.sharded_state is ShardedState.UNSHARDED:
             return
         self.lazy_init()
+        stream = self.comm_ctx.all_gather_stream(self.device)
+        mesh_info = self.mesh_info
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             mesh_info = self.post_forward_mesh_info
             assert mesh_info is not None
-            inputs = [p.post_forward_all_gather_input() for p in self.params]
-        else:
-            mesh_info = self.mesh_info
-            inputs = [p.all_gather_input() for p in self.params]
-        self._all_gather = collectives.foreach_all_gather(
-            inputs,
-            mesh_info.shard_group,
-            mesh_info.shard_size,
-            mesh_info.shard_rank,
-            async_op=async_op,
-            comm=self.all_gather_comm,
-        )
+            stream.wait_for_compute()  # the post-forward shards were cloned there
+        with stream.issuing():
+            if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+                inputs = [p.post_forward_all_gather_input() for p in self.params]
+            else:
+                inputs = [p.all_gather_input() for p in self.params]
+            self._all_gather = collectives.foreach_all_gather(
+                inputs,
+                mesh_info.shard_group,
+                mesh_info.shard_size,
+                mesh_info.shard_rank,
+                async_op=async_op,
+                comm=self.all_gather_comm,
+            )
+            self._all_gather.event = stream.record()
 
     def wait_for_unshard(self) -> None:
         """Finish a started all-gather and register the unsharded parameters."""
@@ -130,6 +135,7 @@ class ParamGroup:
             return
         result, self._all_gather = self._all_gather, None
         collectives.foreach_all_gather_copy_out(result, self.params)
+        self.comm_ctx.all_gather_stream(self.device).consumed(result.output)
         for param in self.params:
             param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED

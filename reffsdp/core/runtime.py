@@ -14,6 +14,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
+from .streams import AllGatherStream
+
 if TYPE_CHECKING:
     from .collectives import PendingReduce
     from .param_group import ParamGroup
@@ -28,6 +32,14 @@ class CommContext:
     post_forward_order: list[ParamGroup] = field(default_factory=list)
     pending_reduces: deque[PendingReduce] = field(default_factory=deque)
     max_pending_reduces: int = 1
+    _all_gather_stream: AllGatherStream | None = None
+
+    def all_gather_stream(self, device: torch.device) -> AllGatherStream:
+        """The side stream this root's all-gathers use (see [Note: why all-gathers get their
+        own stream] in ``streams``)."""
+        if self._all_gather_stream is None:
+            self._all_gather_stream = AllGatherStream(device)
+        return self._all_gather_stream
 
     def add_pending_reduce(self, pending: PendingReduce) -> None:
         self.pending_reduces.append(pending)

@@ -75,6 +75,8 @@ class FSDPModule:
         groups = self._groups()
         for group in groups:
             group.lazy_init()
+            # Called outside forward: parameters may have just been updated.
+            group.comm_ctx.all_gather_stream(group.device).wait_for_compute()
             group.unshard()
         handle = _GroupUnshardHandle(groups)
         if async_op:

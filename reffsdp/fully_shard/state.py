@@ -77,6 +77,7 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] = []
+        # Listed modules that have yet to finish this forward (see ``_pre_forward``).
         self._modules_in_forward: set[nn.Module] = set()
         for module in modules:
             module.__dict__[_STATE_KEY] = self
@@ -121,6 +122,7 @@ class FSDPState:
                 state.group.comm_ctx = self.comm_ctx
         if self.group is not None and self.auto_reshard_root:
             self.group.reshard_after_forward = False
+        _set_root_fqns(self.modules[0], states)
         _check_no_param_in_two_groups(states)
         for state in states:
             if state.group is not None:
@@ -142,7 +144,10 @@ class FSDPState:
         self.training_state = TrainingState.FORWARD
         args, kwargs = self._cast_inputs(args, kwargs)
         if self.group is not None:
-            self._modules_in_forward.add(module)
+            if not self._modules_in_forward:
+                # The first listed module to enter forward: the group's post-forward waits
+                # for all of them, so a grouped call gathers once per forward.
+                self._modules_in_forward.update(self.modules)
             self.group.pre_forward()
             args, kwargs = register_post_backward(self.group.post_backward, args, kwargs)
         for target in self.forward_prefetch:
@@ -173,9 +178,10 @@ class FSDPState:
             self.group.training_state = TrainingState.IDLE
 
     def _root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        if self.ctx.post_optim_event is not None:
-            torch.accelerator.current_stream().wait_event(self.ctx.post_optim_event)
-            self.ctx.post_optim_event = None
+        # The optimizer step that updated the shards must finish before all-gathers read
+        # them (see [Note: why all-gathers get their own stream]).
+        event, self.ctx.post_optim_event = self.ctx.post_optim_event, None
+        self.comm_ctx.all_gather_stream(self.device).wait_for_compute(event)
         if self.device.type == "cpu":
             return args, kwargs
         move = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
@@ -270,6 +276,20 @@ class FSDPState:
                 state.group.reset()
         self.ctx.iter_forward_root = None
         self.ctx.final_callback_queued = False
+
+
+def _set_root_fqns(root: nn.Module, states: list[FSDPState]) -> None:
+    """Name each sharded parameter by its FQN under the root, so errors say which it is."""
+    by_id = {
+        id(param.sharded_param): param
+        for state in states
+        if state.group is not None
+        for param in state.group.params
+    }
+    for name, tensor in root.named_parameters():
+        param = by_id.get(id(tensor))
+        if param is not None:
+            param.root_fqn = name
 
 
 def _check_no_param_in_two_groups(states: list[FSDPState]) -> None:

@@ -1,0 +1,81 @@
+"""Streams and events for overlapping all-gathers with compute; a no-op on CPU.
+
+[Note: why all-gathers get their own stream]
+A collective waits for whatever the stream it is issued from has queued. Issued from the
+compute stream, block i+1's all-gather would wait for block i's compute to finish, and
+nothing would overlap. Issued from a side stream that holds no compute, it runs while
+block i computes. Three rules keep that safe:
+
+1. Before the first all-gather of an iteration the side stream waits for the compute
+   stream (or for the event from ``set_post_optim_event``): the optimizer step that
+   updated the shards must be finished before we read them.
+2. Copy-out runs on the compute stream after it waits the all-gather's event.
+3. The all-gather output buffer is allocated on the side stream and read by copy-out on
+   the compute stream. Dropping it at once would let the caching allocator hand the
+   memory to the next all-gather on the side stream while copy-out may still be reading
+   it. So the last buffer is kept, with an event recorded after its copy-out, and the side
+   stream waits for that event before the next all-gather allocates. At most two buffers
+   are in flight: the one being consumed and the one being filled.
+
+Reduce-scatters are issued from the compute stream: the gradients they read were just
+produced there, and backends run collectives on their own internal streams, so backward
+compute still overlaps them.
+
+On CPU all of this collapses: there is no side stream, events are ``None`` and every wait
+is a no-op; the code path is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+class AllGatherStream:
+    """The side stream all-gathers are issued on, for one root's groups."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream: Any = None
+        if device.type == "cuda":
+            self.stream = torch.cuda.Stream(device=device, priority=-1)
+        self._deferred: tuple[Any, Any] | None = None  # (buffer kept alive, copy-out event)
+
+    @contextlib.contextmanager
+    def issuing(self) -> Iterator[None]:
+        """Run the enclosed copy-in and collective on the side stream (rule 3 applied)."""
+        if self.stream is None:
+            yield
+            return
+        if self._deferred is not None:
+            self.stream.wait_event(self._deferred[1])
+            self._deferred = None
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def record(self) -> Any:
+        """An event marking what the side stream has queued so far (``None`` on CPU)."""
+        return None if self.stream is None else self.stream.record_event()
+
+    def wait_for_compute(self, event: Any = None) -> None:
+        """Rule 1: make the side stream wait for the compute stream (or ``event``)."""
+        if self.stream is None:
+            return
+        if event is not None:
+            self.stream.wait_event(event)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+
+    def consumed(self, buffer: torch.Tensor) -> None:
+        """Rule 3: ``buffer`` was just copied out on the compute stream; keep it until safe."""
+        if self.stream is None:
+            return
+        self._deferred = (buffer, torch.cuda.current_stream(self.stream.device).record_event())
+
+
+def wait_event_on_current_stream(event: Any) -> None:
+    """Rule 2: the compute stream waits for ``event`` (no-op for ``None``)."""
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
