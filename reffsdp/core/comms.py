@@ -127,9 +127,7 @@ def reduce_scatter(
     async_op: bool = False,
 ) -> dist.Work | None:
     """Reduce ``input`` over the group and leave this rank's slice in ``output``."""
-    return _resolve(Collective.REDUCE_SCATTER)(
-        output, input, op=op, group=group, async_op=async_op
-    )
+    return _resolve(Collective.REDUCE_SCATTER)(output, input, op=op, group=group, async_op=async_op)
 
 
 def all_reduce(

@@ -255,8 +255,9 @@ class ParamGroup:
         for param in self.params:
             grad = param.take_unsharded_grad()
             if grad is None and self.reduce_scatter_unused_params and param.requires_grad:
-                grad = torch.zeros(param.layout.global_size, dtype=param.compute_dtype,
-                                   device=self.device)
+                grad = torch.zeros(
+                    param.layout.global_size, dtype=param.compute_dtype, device=self.device
+                )
             if grad is not None:
                 params.append(param)
                 grads.append(grad)

@@ -79,6 +79,8 @@ class ShardedParam:
                 f"{param.stride()} for size {tuple(param.size())}"
             )
         self.refs = refs
+        # Name under the root module, for messages; set by the root's lazy init.
+        self.root_fqn: str | None = None
         # Identity of the original parameter, to catch one tensor sharded by two groups.
         self.orig_param_id = id(param)
         self.mesh_info = mesh_info
@@ -170,7 +172,10 @@ class ShardedParam:
         """Take over a parameter that replaced ours (``load_state_dict(assign=True)``)."""
         current = self.refs[0].module._parameters[self.refs[0].name]
         if current is not self.sharded_param and current is not None:
-            if not isinstance(current, DTensor) or current.placements != self.sharded_param.placements:
+            if (
+                not isinstance(current, DTensor)
+                or current.placements != self.sharded_param.placements
+            ):
                 raise ValueError(
                     f"load_state_dict(assign=True) for {self.fqn} needs a DTensor with "
                     f"placements {self.sharded_param.placements}, got {type(current).__name__}"
@@ -204,7 +209,8 @@ class ShardedParam:
 
     @property
     def fqn(self) -> str:
-        return self.refs[0].name
+        """The parameter's name under the root module (before lazy init: its local name)."""
+        return self.root_fqn if self.root_fqn is not None else self.refs[0].name
 
     # -- all-gather input and output ----------------------------------------------------
 
@@ -256,9 +262,7 @@ class ShardedParam:
                 self._unsharded_data = torch.empty_like(full)
                 self.unsharded_param = None
             elif self._unsharded_data.untyped_storage().size() == 0:
-                self._unsharded_data.untyped_storage().resize_(
-                    full.numel() * full.element_size()
-                )
+                self._unsharded_data.untyped_storage().resize_(full.numel() * full.element_size())
             self._unsharded_data.data.copy_(full)
         if self.unsharded_param is None:
             data = self._unsharded_data
@@ -385,4 +389,3 @@ def unique_params(module_params: list[tuple[nn.Module, str, nn.Parameter]]):
         entry = refs.setdefault(id(param), (param, []))
         entry[1].append(ParamRef(module, name))
     return list(refs.values())
-

@@ -8,7 +8,6 @@ to the block's group and the rest (embeddings, final norm, ...) to the root's gr
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -24,9 +23,6 @@ from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, O
 from .module import FSDPModule
 from .state import FSDPState, state_of
 
-# Parameters that some fully_shard call already sharded; a later call that meets one was
-# applied top-down (parent before child), which cannot work.
-_sharded_params: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
 _fsdp_classes: dict[type, type] = {}
 
 
@@ -68,9 +64,7 @@ def fully_shard(
     ignored = {id(p) for p in ignored_params or ()}
     if not isinstance(offload_policy, OffloadPolicy):
         raise ValueError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
-    sharded = _shard_params(
-        managed, ignored, mesh_info, device, shard_placement_fn, offload_policy
-    )
+    sharded = _shard_params(managed, ignored, mesh_info, device, shard_placement_fn, offload_policy)
     _move_buffers(managed, device)
     group = None
     if sharded:
@@ -133,13 +127,21 @@ def _resolve_reshard_after_forward(
     # Rows of k consecutive ranks; dim 1 of this mesh is the backward all-gather group.
     ranks = mesh_info.mesh.mesh.reshape(-1, value)
     post_forward_mesh = DeviceMesh(
-        mesh_info.device_type, ranks, mesh_dim_names=("post_forward_replicate", "post_forward_shard")
+        mesh_info.device_type,
+        ranks,
+        mesh_dim_names=("post_forward_replicate", "post_forward_shard"),
     )
     return True, MeshInfo(post_forward_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
 
 
 def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
-    """Depth-first from the roots, not entering modules another call already sharded."""
+    """Depth-first from the roots, not entering modules another call already sharded.
+
+    A module that an earlier call manages without being its root means that call was applied
+    top-down (parent before child): its parameters are already sharded, so refuse clearly.
+    (The marker lives on the module, not the parameter: a weak reference to a parameter
+    would make ``nn.Module._apply`` unable to swap it in ``.to()``/``to_empty()``.)
+    """
     managed: list[nn.Module] = []
     seen: set[int] = set()
 
@@ -147,6 +149,11 @@ def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
         if id(m) in seen:
             return
         seen.add(id(m))
+        if getattr(m, "_is_fsdp_managed_module", False):
+            raise ValueError(
+                f"{type(m).__name__} is already managed by an enclosing fully_shard call; "
+                "apply fully_shard bottom-up (children before their parent)"
+            )
         managed.append(m)
         for child in m.children():
             if state_of(child) is None:
@@ -170,12 +177,6 @@ def _shard_params(
     ]
     sharded = []
     for param, refs in unique_params(triples):
-        if _sharded_params.get(id(param)) is param:
-            raise ValueError(
-                f"{type(refs[0].module).__name__}.{refs[0].name} is already sharded by an "
-                "enclosing fully_shard call; apply fully_shard bottom-up (children before "
-                "their parent)"
-            )
         placement = shard_placement_fn(param) if shard_placement_fn is not None else None
         if placement is not None and not isinstance(placement, Shard):
             raise ValueError(
@@ -187,7 +188,6 @@ def _shard_params(
         )
         for ref in refs:
             ref.set(sharded_param.sharded_param)
-        _sharded_params[id(sharded_param.sharded_param)] = sharded_param.sharded_param
         sharded.append(sharded_param)
     return sharded
 
