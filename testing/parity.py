@@ -1,0 +1,371 @@
+"""Parity checks: does a sharded model hold and learn what an unsharded reference does?
+
+* :func:`check_sharded_parity` compares the parameters and gradients of a sharded model,
+  shard by shard, with those of an unsharded reference model.
+* :func:`check_train_parity` trains a sharded model next to a ``DistributedDataParallel``
+  reference and compares losses, gradients and parameters at every step.
+* :func:`broadcast_params_from_rank0` makes a model identical on every rank before a test
+  copies and shards it (threads of the threaded harness share one RNG, so two ranks that
+  build "the same" model get different weights).
+
+[Note: comparing shards]
+A sharded parameter is a DTensor; what a rank holds is ``param.to_local()``. The expected
+shard is the reference tensor cut the same way: ``distribute_tensor(ref, mesh, placements,
+src_data_rank=None).to_local()``, where ``src_data_rank=None`` makes each rank cut its own
+copy of the reference instead of receiving rank 0's. Two ranks, ``Shard(0)``, a reference
+of three rows ``[r0, r1, r2]``: rank 0 expects ``[r0, r1]`` and rank 1 expects ``[r2]``,
+the unpadded chunks of ``torch.chunk``.
+
+``(Shard(0), Shard(0))`` on a 2D mesh cannot be checked this way. ``distribute_tensor``
+splits along the outer mesh dimension first, FSDP splits the inner (tensor-parallel) shard
+again. Four rows, mesh ``(dp=2, tp=2)``: ``distribute_tensor`` gives coordinate
+``(dp, tp)`` row ``2 * dp + tp``, while FSDP over a row-wise TP shard gives it row
+``2 * tp + dp``. Such parameters are rejected with a ``ValueError``.
+
+[Note: ranks agree on the verdict]
+A mismatch is often on one rank only (one rank's gradient scaled wrongly). If that rank
+raised alone, the others would walk into the next collective and wait for it forever. So
+every check ends with a small all-reduce that tells each rank which ranks failed, and then
+all of them fail together: the failing ranks with their own mismatches, the others with a
+line naming the failing ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import unittest
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
+
+# (rtol, atol) per dtype when the caller gives none; torch.testing.assert_close's defaults.
+_DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1.3e-6, 1e-5),
+    torch.float16: (1e-3, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-5),
+}
+_MAX_REPORTED_PROBLEMS = 10
+
+
+def check_sharded_parity(
+    test_case: unittest.TestCase | None,
+    ref_model: nn.Module,
+    sharded_model: nn.Module,
+    prefixes_to_ignore: Sequence[str] = (),
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> None:
+    """Check that every parameter and gradient of ``sharded_model`` is the right shard.
+
+    Parameter names must match once every occurrence of each of ``prefixes_to_ignore`` is
+    removed from the sharded names (for wrapper prefixes such as
+    ``"_checkpoint_wrapped_module."``). Every sharded parameter must be a DTensor whose local
+    shard equals the reference cut by its placements (see [Note: comparing shards]); the
+    same holds for gradients, and a ``None`` gradient must match a ``None`` one.
+
+    Failures go through ``test_case.fail`` when a test case is given, else raise
+    ``AssertionError``; either way each line names the tensor, the rank and the largest
+    absolute difference. Every rank of the default group must call this together (see
+    [Note: ranks agree on the verdict]). ``rtol``/``atol`` default per dtype (fp32:
+    ``1.3e-6``/``1e-5``).
+    """
+    problems = _param_problems(
+        ref_model, sharded_model, prefixes_to_ignore, require_dtensor=True, rtol=rtol, atol=atol
+    )
+    _agree_and_report(test_case, "check_sharded_parity", problems)
+
+
+def check_train_parity(
+    test_case: unittest.TestCase | None,
+    ref_model: nn.Module,
+    sharded_model: nn.Module,
+    make_inputs: Callable[[int, int], Any],
+    *,
+    num_steps: int = 3,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    num_microbatches: int = 1,
+    no_sync: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
+    prefixes_to_ignore: Sequence[str] = (),
+    ddp_kwargs: Mapping[str, Any] | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> list[float]:
+    """Train ``sharded_model`` and a DDP copy side by side; check they agree at every step.
+
+    ``ref_model`` is the unsharded twin of ``sharded_model``: the caller deep-copies the
+    model *before* sharding it (sharding changes the module in place) and passes the copy.
+    This function wraps ``ref_model`` itself in ``DistributedDataParallel`` (with
+    ``ddp_kwargs``, e.g. ``find_unused_parameters=True``) and trains it, so the caller can
+    inspect it afterwards. Parameters may be DTensors (compared shard by shard) or plain
+    tensors (compared whole).
+
+    ``make_inputs(iteration, rank)`` returns one forward's inputs (a tensor, a tuple of
+    positional arguments or a dict of keyword arguments); ``iteration`` counts forwards from
+    0, so step ``s`` uses iterations ``s * num_microbatches`` onwards. Both models get the
+    same object, so neither may modify it in place. ``loss_fn`` maps the output to a scalar
+    (default :func:`sum_loss`); ``optimizer_factory`` builds an optimizer from parameters
+    (default :func:`sgd_with_momentum`: unlike Adam, SGD's update scales with the gradient,
+    so a wrong gradient scale changes the parameters).
+
+    Each step runs ``num_microbatches`` forward/backward passes, accumulating gradients.
+    With ``no_sync``, all but the last run inside ``no_sync(sharded_model)`` for the sharded
+    model and ``ddp.no_sync()`` for the reference. Checked: parameters before training;
+    every microbatch's loss; gradients after backward; parameters after the optimizer step.
+    Returns this rank's loss per step, summed over microbatches.
+    """
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
+    loss_fn = loss_fn or sum_loss
+    optimizer_factory = optimizer_factory or sgd_with_momentum
+    ddp_model = DistributedDataParallel(ref_model, **(ddp_kwargs or {}))
+    ref_optim = optimizer_factory(ddp_model.parameters())
+    optim = optimizer_factory(sharded_model.parameters())
+
+    def check_params(when: str) -> None:
+        problems = _param_problems(
+            ref_model,
+            sharded_model,
+            prefixes_to_ignore,
+            require_dtensor=False,
+            rtol=rtol,
+            atol=atol,
+        )
+        _agree_and_report(test_case, f"check_train_parity, {when}", problems)
+
+    ddp_no_sync = (lambda _: ddp_model.no_sync()) if no_sync is not None else None
+    check_params("before training")
+    rank = dist.get_rank()
+    step_losses = []
+    for step in range(num_steps):
+        first = step * num_microbatches
+        inputs = [make_inputs(i, rank) for i in range(first, first + num_microbatches)]
+        ref_optim.zero_grad()
+        optim.zero_grad()
+        ref_losses = _forward_backward(ddp_model, inputs, loss_fn, ddp_no_sync)
+        losses = _forward_backward(sharded_model, inputs, loss_fn, no_sync)
+        loss_problems = _loss_problems(losses, ref_losses, rtol, atol)
+        _agree_and_report(test_case, f"check_train_parity, step {step} losses", loss_problems)
+        check_params(f"step {step} after backward")
+        ref_optim.step()
+        optim.step()
+        check_params(f"step {step} after the optimizer step")
+        step_losses.append(sum(_full(loss).item() for loss in losses))
+    return step_losses
+
+
+def sum_loss(output: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum of every element of ``output`` (a tensor or a sequence of tensors), in fp32."""
+    tensors = output if isinstance(output, (tuple, list)) else (output,)
+    return torch.stack([tensor.float().sum() for tensor in tensors]).sum()
+
+
+def sgd_with_momentum(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """``SGD(lr=1e-2, momentum=0.9)``: the default optimizer of :func:`check_train_parity`."""
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+
+
+def broadcast_params_from_rank0(
+    module: nn.Module, process_group: dist.ProcessGroup | None = None
+) -> None:
+    """Overwrite every parameter and buffer of ``module`` with rank 0's values, in place.
+
+    Call it before deep-copying the reference and before sharding: sharded (DTensor)
+    parameters are refused with a ``TypeError``, as each rank holds a different piece.
+    """
+    with torch.no_grad():
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if isinstance(tensor, DTensor):
+                raise TypeError(f"{name!r} is already a DTensor; broadcast before sharding")
+            dist.broadcast(tensor, group=process_group, group_src=0)
+
+
+def _param_problems(
+    ref_model: nn.Module,
+    model: nn.Module,
+    prefixes_to_ignore: Sequence[str],
+    *,
+    require_dtensor: bool,
+    rtol: float | None,
+    atol: float | None,
+) -> list[str]:
+    """One line per parameter or gradient of ``model`` that differs from ``ref_model``."""
+    ref_named = list(ref_model.named_parameters())
+    named = list(model.named_parameters())
+    ref_names = [name for name, _ in ref_named]
+    names = [_strip_prefixes(name, prefixes_to_ignore) for name, _ in named]
+    if names != ref_names:
+        return [_name_mismatch(names, ref_names)]
+    problems = []
+    for name, (_, ref_param), (_, param) in zip(names, ref_named, named):
+        if not isinstance(param, DTensor) and require_dtensor:
+            problems.append(f"{name!r} is a {type(param).__name__}, expected a DTensor")
+            continue
+        problems += _tensor_problems(f"param {name!r}", ref_param, param, param, rtol, atol)
+        if ref_param.grad is None or param.grad is None:
+            if (ref_param.grad is None) != (param.grad is None):
+                problems.append(
+                    f"grad of {name!r} on rank {dist.get_rank()}: "
+                    f"{_none_or_set(param.grad)} but the reference's is "
+                    f"{_none_or_set(ref_param.grad)}"
+                )
+            continue
+        problems += _tensor_problems(
+            f"grad of {name!r}", ref_param.grad, param.grad, param, rtol, atol
+        )
+    return problems
+
+
+def _tensor_problems(
+    what: str,
+    ref: torch.Tensor,
+    actual: torch.Tensor,
+    param: torch.Tensor,
+    rtol: float | None,
+    atol: float | None,
+) -> list[str]:
+    """Compare ``actual`` with ``ref`` cut the way ``param`` is sharded (if it is a DTensor)."""
+    where = f"{what} on rank {dist.get_rank()}"
+    if isinstance(param, DTensor):
+        if not isinstance(actual, DTensor):
+            return [f"{where}: a {type(actual).__name__}, expected a DTensor"]
+        if tuple(actual.placements) != tuple(param.placements):
+            return [f"{where}: placements {actual.placements}, expected {param.placements}"]
+        if tuple(param.placements) == (Shard(0), Shard(0)):
+            raise ValueError(
+                f"{what} has placements (Shard(0), Shard(0)), whose shards differ from "
+                "distribute_tensor's; see [Note: comparing shards] in reffsdp.testing.parity"
+            )
+        expected = distribute_tensor(
+            ref.detach(), param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
+        actual = actual.to_local()
+    else:
+        expected = ref
+    mismatch = _mismatch(actual.detach(), expected.detach(), rtol, atol)
+    return [f"{where}: {mismatch}"] if mismatch else []
+
+
+def _mismatch(
+    actual: torch.Tensor, expected: torch.Tensor, rtol: float | None, atol: float | None
+) -> str | None:
+    """How ``actual`` differs from ``expected``, or ``None`` when they are close."""
+    if actual.shape != expected.shape:
+        return f"shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    if actual.dtype != expected.dtype:
+        return f"dtype {actual.dtype}, expected {expected.dtype}"
+    default_rtol, default_atol = _DEFAULT_TOLERANCES.get(actual.dtype, (0.0, 0.0))
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    if torch.allclose(actual, expected, rtol=rtol, atol=atol, equal_nan=True):
+        return None
+    max_diff = (actual.double() - expected.double()).abs().max().item()
+    return f"max abs diff {max_diff:.3g} (rtol={rtol:g}, atol={atol:g})"
+
+
+def _loss_problems(
+    losses: list[torch.Tensor],
+    ref_losses: list[torch.Tensor],
+    rtol: float | None,
+    atol: float | None,
+) -> list[str]:
+    problems = []
+    for microbatch, (loss, ref_loss) in enumerate(zip(losses, ref_losses)):
+        mismatch = _mismatch(_full(loss), _full(ref_loss), rtol, atol)
+        if mismatch:
+            problems.append(
+                f"loss of microbatch {microbatch} on rank {dist.get_rank()}: "
+                f"{_full(loss).item():.6g} vs reference {_full(ref_loss).item():.6g}, {mismatch}"
+            )
+    return problems
+
+
+def _forward_backward(
+    model: nn.Module,
+    inputs: list[Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    no_sync: Callable[[nn.Module], AbstractContextManager[Any]] | None,
+) -> list[torch.Tensor]:
+    """Forward and backward once per microbatch; all but the last inside ``no_sync``."""
+    losses = []
+    for microbatch, microbatch_inputs in enumerate(inputs):
+        is_last = microbatch == len(inputs) - 1
+        context = (
+            no_sync(model) if no_sync is not None and not is_last else contextlib.nullcontext()
+        )
+        with context:
+            loss = loss_fn(_call(model, microbatch_inputs))
+            loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _agree_and_report(test_case: unittest.TestCase | None, stage: str, problems: list[str]) -> None:
+    """Fail on every rank if any rank has problems; see [Note: ranks agree on the verdict].
+
+    ``stage`` names the check (``"check_train_parity, step 0 after backward"``) and starts
+    the failure message on every rank.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    failed = torch.zeros(world_size, device=_flag_device())
+    failed[rank] = float(bool(problems))
+    dist.all_reduce(failed)
+    failed_ranks = failed.nonzero().flatten().tolist()
+    if not failed_ranks:
+        return
+    if problems:
+        shown = problems[:_MAX_REPORTED_PROBLEMS]
+        if len(problems) > len(shown):
+            shown.append(f"... and {len(problems) - len(shown)} more")
+        message = f"{stage}: parity check failed on rank {rank}:\n  " + "\n  ".join(shown)
+    else:
+        message = f"{stage}: parity check failed on rank(s) {failed_ranks}; rank {rank} matched"
+    if test_case is not None:
+        test_case.fail(message)
+    raise AssertionError(message)
+
+
+def _flag_device() -> torch.device:
+    """Where the verdict tensor lives: NCCL only moves CUDA tensors, the rest take CPU ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: DTensor losses (e.g. from loss parallelism) are gathered."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _name_mismatch(names: list[str], ref_names: list[str]) -> str:
+    """The first position where the (prefix-stripped) names differ from the reference's."""
+    for position, (name, ref_name) in enumerate(zip(names, ref_names)):
+        if name != ref_name:
+            return f"parameter names differ at position {position}: {name!r} vs {ref_name!r}"
+    return f"{len(names)} parameters, but the reference has {len(ref_names)}"
+
+
+def _strip_prefixes(name: str, prefixes: Sequence[str]) -> str:
+    for prefix in prefixes:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _none_or_set(tensor: torch.Tensor | None) -> str:
+    return "None" if tensor is None else "set"

@@ -1,0 +1,155 @@
+"""``FSDPTestMultiThread``: every test runs on every rank, and failures come back whole.
+
+The failure, skip and timeout cases define small test classes inside the test functions
+(so pytest does not collect them) and run them with ``unittest``'s own runner.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import unittest
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from reffsdp.core.comms import torch_all_gather
+from reffsdp.testing.multithread import FSDPTestMultiThread
+
+pytestmark = pytest.mark.multithread
+
+
+def _run_case(case_class: type[unittest.TestCase]) -> unittest.TestResult:
+    result = unittest.TestResult()
+    unittest.defaultTestLoader.loadTestsFromTestCase(case_class).run(result)
+    return result
+
+
+def _gather_objects(value: object) -> list[object]:
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+class TestHarnessInterface(FSDPTestMultiThread):
+    def test_every_rank_runs_with_its_own_rank(self):
+        self.assertEqual(self.world_size, 2)
+        self.assertEqual(dist.get_world_size(), self.world_size)
+        self.assertEqual(_gather_objects(self.rank), [0, 1])
+        self.assertEqual(threading.current_thread().name, f"rank{self.rank}")
+        self.assertEqual(self.device, torch.device("cpu"))
+        self.assertEqual(dist.get_backend(), "threaded")
+
+    def test_each_rank_has_its_own_instance(self):
+        self.marker = self.rank
+        dist.barrier()
+        self.assertEqual(self.marker, self.rank)
+        self.assertEqual(len(set(_gather_objects(id(self)))), self.world_size)
+
+    def test_run_subtests_covers_the_product_on_every_rank(self):
+        calls: list[tuple[int, str]] = []
+        self.run_subtests({"a": [1, 2], "b": ["x", "y"]}, lambda a, b: calls.append((a, b)))
+        self.assertEqual(calls, [(1, "x"), (1, "y"), (2, "x"), (2, "y")])
+
+    def test_sync_module_states_makes_ranks_agree(self):
+        torch.manual_seed(self.rank)  # the shared RNG gives ranks different weights anyway
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+        model[1].running_mean.fill_(float(self.rank))
+        self.sync_module_states(model)
+        flat = torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()])
+        everyone = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype)
+        torch_all_gather()(everyone, flat)
+        for other in everyone.chunk(self.world_size):
+            self.assertTrue(torch.equal(other, flat))
+        self.assertTrue(torch.equal(model[1].running_mean, torch.zeros(4)))
+
+
+class TestWorldSizeOverride(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_four_ranks(self):
+        self.assertEqual(_gather_objects(self.rank), [0, 1, 2, 3])
+
+
+class TestPerThreadHooks(FSDPTestMultiThread):
+    def perThreadSetUp(self) -> None:
+        self.prepared_on = dist.get_rank()
+
+    def test_setup_ran_on_this_rank(self):
+        self.assertEqual(self.prepared_on, self.rank)
+
+
+@pytest.mark.timeout(30)
+def test_failing_rank_fails_the_test_with_its_rank_and_traceback():
+    class Failing(FSDPTestMultiThread):
+        def test_rank_1_fails(self):
+            dist.barrier()
+            self.assertEqual(self.rank, 0, "only rank 0 passes")
+            dist.barrier()  # rank 0 waits here; it must be released, not time out
+
+    start = time.monotonic()
+    result = _run_case(Failing)
+    assert result.testsRun == 1 and len(result.errors) == 1, result.errors
+    report = result.errors[0][1]
+    assert "rank 1 failed" in report and "rank 0 failed" not in report
+    assert "test_rank_1_fails" in report and "only rank 0 passes" in report
+    assert "ranks [0] stopped with CollectiveAborted" in report
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(30)
+def test_skip_on_a_rank_skips_the_test():
+    class Skipping(FSDPTestMultiThread):
+        def test_everyone_skips(self):
+            self.skipTest("not on this machine")
+
+        def test_one_rank_skips(self):
+            if self.rank == 1:
+                self.skipTest("rank 1 cannot run this")
+            dist.barrier()  # released by the skip, like any failure on a peer
+
+    result = _run_case(Skipping)
+    assert not result.errors and not result.failures, result.errors
+    reasons = sorted(reason for _, reason in result.skipped)
+    assert reasons == ["rank 0: not on this machine", "rank 1: rank 1 cannot run this"]
+
+
+@pytest.mark.timeout(30)
+def test_timeout_fails_instead_of_hanging():
+    class Stuck(FSDPTestMultiThread):
+        timeout_s = 1.0
+
+        def test_rank_1_never_arrives(self):
+            if self.rank == 1:
+                threading.Event().wait(2.0)  # past the deadline, then leave
+            else:
+                dist.barrier()
+
+    start = time.monotonic()
+    result = _run_case(Stuck)
+    assert len(result.errors) == 1
+    assert "rank 1 did not finish within 1s" in result.errors[0][1]
+    assert time.monotonic() - start < 10
+
+
+def test_c10d_state_is_clean_after_a_failed_test():
+    world, hook = dist.distributed_c10d._world, sys.excepthook
+
+    class Failing(FSDPTestMultiThread):
+        def test_fails(self):
+            dist.new_group([0])
+            raise RuntimeError("leave groups behind")
+
+    assert len(_run_case(Failing).errors) == 1
+    assert dist.distributed_c10d._world is world and sys.excepthook is hook
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
