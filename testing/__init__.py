@@ -1,1 +1,53 @@
-"""reffsdp's testing package: harnesses, process groups, comm counting, parity checks."""
+"""reffsdp's testing package: harnesses, process groups, comm counting, parity checks, models.
+
+Downstream projects import it as ``reffsdp.testing``::
+
+    from reffsdp.testing import FSDPTest, FSDPTestMultiThread, check_sharded_parity
+
+``python -m reffsdp.testing`` runs the parity suite (sharded training against DDP).
+"""
+
+from .comm_counter import CommCounter
+from .common import DistributedTestMixin
+from .fake_pg import FakeStore, fake_process_group
+from .meshes import mesh_1d, mesh_dp_tp, mesh_hsdp, mesh_nd
+from .models import MLP, ConvNet, DoubleLinear, MLPStack, ModelArgs, Transformer
+from .multiprocess import FSDPTest
+from .multithread import FSDPTestMultiThread, run_threaded
+from .parity import (
+    broadcast_params_from_rank0,
+    check_sharded_parity,
+    check_train_parity,
+    sgd_with_momentum,
+    sum_loss,
+)
+from .patching import patch_all_gather, patch_all_reduce, patch_broadcast, patch_reduce_scatter
+
+__all__ = [
+    "MLP",
+    "CommCounter",
+    "ConvNet",
+    "DistributedTestMixin",
+    "DoubleLinear",
+    "FSDPTest",
+    "FSDPTestMultiThread",
+    "FakeStore",
+    "MLPStack",
+    "ModelArgs",
+    "Transformer",
+    "broadcast_params_from_rank0",
+    "check_sharded_parity",
+    "check_train_parity",
+    "fake_process_group",
+    "mesh_1d",
+    "mesh_dp_tp",
+    "mesh_hsdp",
+    "mesh_nd",
+    "patch_all_gather",
+    "patch_all_reduce",
+    "patch_broadcast",
+    "patch_reduce_scatter",
+    "run_threaded",
+    "sgd_with_momentum",
+    "sum_loss",
+]

@@ -14,9 +14,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from .parity import broadcast_params_from_rank0
 
 
-def test_device_type() -> str:
+def device_type_under_test() -> str:
     """``"cuda"`` when the suite runs with ``--device cuda``, else ``"cpu"``."""
     return os.environ.get("REFFSDP_TEST_DEVICE", "cpu")
 
@@ -35,7 +38,7 @@ class DistributedTestMixin:
 
     @property
     def device_type(self) -> str:
-        return test_device_type()
+        return device_type_under_test()
 
     @property
     def device(self) -> torch.device:
@@ -46,6 +49,19 @@ class DistributedTestMixin:
     @property
     def process_group(self) -> dist.ProcessGroup:
         return dist.group.WORLD
+
+    def perThreadSetUp(self) -> None:  # noqa: N802 - unittest naming
+        """Runs on each rank, with the process group up, before the test method."""
+
+    def perThreadTearDown(self) -> None:  # noqa: N802 - unittest naming
+        """Runs on each rank after the test method, even if it failed."""
+
+    def sync_module_states(self, module: nn.Module) -> None:
+        """Give ``module`` rank 0's parameters and buffers on every rank, before sharding.
+
+        Threaded ranks share one RNG, so "the same" model built on each rank differs.
+        """
+        broadcast_params_from_rank0(module)
 
     def run_subtests(
         self, config: dict[str, list[Any]], fn: Callable[..., Any], *args: Any, **kwargs: Any

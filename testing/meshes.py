@@ -25,7 +25,7 @@ import math
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .common import test_device_type
+from .common import device_type_under_test
 
 
 def mesh_1d(device_type: str | None = None) -> DeviceMesh:
@@ -75,4 +75,6 @@ def _named_mesh(sizes: dict[str, int], device_type: str | None) -> DeviceMesh:
             f"mesh {described} holds {product} ranks but the world size is {world_size}; "
             "pick sizes whose product is the world size"
         )
-    return init_device_mesh(device_type or test_device_type(), shape, mesh_dim_names=tuple(sizes))
+    return init_device_mesh(
+        device_type or device_type_under_test(), shape, mesh_dim_names=tuple(sizes)
+    )

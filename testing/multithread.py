@@ -33,7 +33,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from reffsdp.testing.common import DistributedTestMixin
 from reffsdp.testing.thread_world import prepare_rank_thread, threaded_world
@@ -172,12 +171,6 @@ class FSDPTestMultiThread(DistributedTestMixin, unittest.TestCase):
 
     timeout_s: float = 120.0
 
-    def perThreadSetUp(self) -> None:
-        """Runs on each rank's thread, after the group exists and before the test method."""
-
-    def perThreadTearDown(self) -> None:
-        """Runs on each rank's thread after the test method, even if it failed."""
-
     def _callTestMethod(self, method: Callable[[], object]) -> None:
         # unittest calls this to run the test body; we run it on every rank instead.
         name = self._testMethodName
@@ -194,13 +187,3 @@ class FSDPTestMultiThread(DistributedTestMixin, unittest.TestCase):
             getattr(case, name)()
         finally:
             case.perThreadTearDown()
-
-    def sync_module_states(self, module: nn.Module, src: int = 0) -> None:
-        """Broadcast ``module``'s parameters and buffers from ``src`` so all ranks match.
-
-        Call it on a plain module, before sharding or wrapping: ranks share one RNG, so
-        building a module on each rank gives each different values.
-        """
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor.detach(), src=src)

@@ -1,0 +1,441 @@
+"""The multi-process harness: one process per rank, gloo on CPU, NCCL on CUDA.
+
+::
+
+    class TestReduceScatter(FSDPTest):
+        @property
+        def world_size(self) -> int:
+            return 4
+
+        def test_sum(self) -> None:  # runs on every rank
+            self.run_subtests({"dtype": [torch.float32, torch.bfloat16]}, self._check_sum)
+
+Unlike torch's harness this one runs on CPU-only machines (gloo). With ``--device cuda``
+every rank gets its own GPU, and a test that needs more GPUs than there are is skipped.
+A class (``fake_pg = True``) or a method (``@with_fake_pg``) can instead run in the pytest
+process itself, as one rank of a fake group of ``world_size`` (see ``fake_pg.py``).
+
+[Note: how a test method reaches the ranks]
+The pytest process never runs a test body. There, ``FSDPTest.__init__`` replaces the test
+method with a launcher and makes ``setUp``/``tearDown`` no-ops. The launcher starts
+``world_size`` rank processes, each given the test's module, class and method names. A rank
+imports the module, builds the default process group, builds ``cls(method_name)`` and runs
+it with unittest's own machinery, so ``setUp``, the method, ``tearDown`` and cleanups all
+run on every rank. Each rank sends back a small report, and the launcher turns the reports
+into the test's outcome. Hence test classes must be defined at module level, and
+``setUpClass``/``tearDownClass`` run in the pytest process only.
+
+[Note: outcomes]
+The first rank to stop abnormally decides. If it skipped, the test is skipped: peers left
+waiting in a collective fail only as a consequence. If it failed, the test fails with every
+failing rank's number and traceback. Once a rank has stopped abnormally the others get
+``_GRACE_S`` seconds to report and are then killed, since they are probably waiting for it.
+A test running past ``timeout_s`` fails with the Python stacks of the ranks still running
+(``faulthandler`` dumps them on SIGUSR1 before they are killed): they show where it hangs.
+A failing ``subTest`` ends its rank's test instead of being recorded and passed over: a rank
+that went on to the next subtest would issue collectives its peers do not match.
+
+[Note: start-up cost]
+A rank process must import torch, which takes seconds. Spawning a fresh interpreter per rank
+cost about 2.4 s per test on a 2-core machine, so rank processes come from a
+``forkserver`` instead: a server process, itself started fresh (it never inherits the
+pytest process's threads or CUDA state), imports torch and DTensor once, and each rank
+process is forked from it, then given what a spawned one would inherit from the pytest
+process: ``sys.path``, the environment, stdout and stderr (so pytest captures what ranks
+print). A test then costs 0.1-0.2 s of harness time at world size 2 (0.6 s at 8), group
+set-up and exit included; the server's start, about 1.5 s, is paid once per session. The
+server imports nothing that initializes CUDA, which a forked child could not use. Keeping
+rank processes alive across tests (torch's ``FSDPTestContinuous``) would save little more
+and would let state leak from one test into the next, so every test gets fresh processes.
+Passing ranks meet at a last barrier before tearing their group down (``_leave_together``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import faulthandler
+import functools
+import importlib
+import importlib.util
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import unittest
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import DupFd
+from typing import Any, ClassVar, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from reffsdp.testing.common import DistributedTestMixin, device_type_under_test
+from reffsdp.testing.fake_pg import fake_process_group
+
+_PRELOADED = ["torch", "torch.distributed.tensor"]  # by the fork server: [Note: start-up cost]
+_GRACE_S = 2.0  # once a rank stops abnormally, how long the others get to report
+_STACK_DUMP_WAIT_S = 2.0  # how long a hung rank may take to write its stacks
+
+_running_in_rank = False  # set in rank processes; see [Note: how a test method reaches ...]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def with_fake_pg(test_method: _F) -> _F:
+    """Run this test method as one rank of a fake process group, in the pytest process."""
+    test_method._reffsdp_fake_pg = True  # type: ignore[attr-defined]
+    return test_method
+
+
+class _Outcome(enum.Enum):
+    PASSED = "passed"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    DIED = "exited without reporting"
+    TIMED_OUT = "timed out"
+    STOPPED = "was stopped after another rank stopped"
+
+
+@dataclass(frozen=True)
+class _Report:
+    """How one test went on one rank."""
+
+    rank: int
+    outcome: _Outcome
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class _TestAddress:
+    """How a rank process finds a test: module (by name, else by file), class, method."""
+
+    module: str
+    file: str | None
+    qualname: str
+    method: str
+
+    @classmethod
+    def of(cls, case: unittest.TestCase) -> _TestAddress:
+        test_class = type(case)
+        if "<locals>" in test_class.__qualname__:
+            raise TypeError(
+                f"{test_class.__qualname__} is defined inside a function; define FSDPTest "
+                "classes at module level so that rank processes can import them"
+            )
+        file = getattr(sys.modules[test_class.__module__], "__file__", None)
+        return cls(test_class.__module__, file, test_class.__qualname__, case._testMethodName)
+
+    def load(self) -> unittest.TestCase:
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError:
+            # pytest's importlib import mode gives test modules names that do not import.
+            if self.file is None:
+                raise
+            spec = importlib.util.spec_from_file_location(self.module, self.file)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[self.module] = module
+            spec.loader.exec_module(module)
+        found: Any = module
+        for name in self.qualname.split("."):
+            found = getattr(found, name)
+        return found(self.method)
+
+
+@dataclass(frozen=True)
+class _RankConfig:
+    test: _TestAddress
+    rank: int
+    world_size: int
+    device_type: str
+    store_path: str
+    stack_path: str
+    timeout_s: float
+    environment: dict[str, str]
+
+
+# ---- inside a rank process -------------------------------------------------------------
+
+
+def _rank_main(config: _RankConfig, conn: Connection, stdout: DupFd, stderr: DupFd) -> None:
+    """A rank process: build the default group, run the test, report how it went."""
+    global _running_in_rank
+    _running_in_rank = True
+    # The fork server's environment and output streams are those it started with.
+    os.environ.clear()
+    os.environ.update(config.environment)
+    os.dup2(stdout.detach(), 1)
+    os.dup2(stderr.detach(), 2)
+    with open(config.stack_path, "w") as stack_file:
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+        try:
+            case = config.test.load()
+            _init_default_group(config)
+        except Exception:
+            detail = "rank set-up failed:\n" + traceback.format_exc()
+            conn.send(_Report(config.rank, _Outcome.FAILED, detail))
+            return
+        try:
+            report = _run_test(case, config.rank)
+            conn.send(report)
+            if report.outcome is _Outcome.PASSED and dist.is_initialized():
+                _leave_together()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _init_default_group(config: _RankConfig) -> None:
+    if config.device_type == "cuda":
+        torch.cuda.set_device(config.rank)
+        # NCCL for CUDA tensors; gloo for the CPU tensors tests also communicate.
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+        # The ranks share the machine's cores; more intra-op threads only thrash.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
+    dist.init_process_group(
+        backend,
+        store=dist.FileStore(config.store_path, config.world_size),
+        rank=config.rank,
+        world_size=config.world_size,
+        timeout=timedelta(seconds=config.timeout_s),
+    )
+
+
+def _leave_together() -> None:
+    """Wait for every rank to finish before any tears its group down.
+
+    A rank that closes its connections while a slower peer is still connecting, or still
+    reading its last message, can fail that peer's test. If a peer never comes, it did not
+    pass, and its own report says why; the parent then stops this rank.
+    """
+    with contextlib.suppress(RuntimeError):
+        dist.barrier()
+
+
+def _run_test(case: unittest.TestCase, rank: int) -> _Report:
+    result = unittest.TestResult()
+    case.run(result)
+    # An expected failure is still a failure of this rank: the pytest process, whose
+    # launcher carries the expectedFailure mark too, judges the test as a whole.
+    problems = result.errors + result.failures + result.expectedFailures
+    if problems:
+        return _Report(rank, _Outcome.FAILED, "\n".join(text for _, text in problems))
+    if result.skipped:
+        return _Report(rank, _Outcome.SKIPPED, result.skipped[0][1])
+    return _Report(rank, _Outcome.PASSED)
+
+
+# ---- in the pytest process -------------------------------------------------------------
+
+
+class _RankProcesses:
+    """The rank processes running one test, and their temporary files."""
+
+    def __init__(
+        self, test: _TestAddress, world_size: int, device_type: str, timeout_s: float
+    ) -> None:
+        self._dir = tempfile.mkdtemp(prefix="reffsdp-ranks-")
+        self._processes: list[multiprocessing.process.BaseProcess] = []
+        self._conns: list[Connection] = []
+        self._reported: set[int] = set()
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(_PRELOADED)
+        store_path = os.path.join(self._dir, "store")
+        try:
+            for rank in range(world_size):
+                config = _RankConfig(
+                    test, rank, world_size, device_type, store_path,
+                    self._stack_path(rank), timeout_s, dict(os.environ),
+                )  # fmt: skip
+                ours, theirs = context.Pipe()
+                process = context.Process(
+                    target=_rank_main,
+                    args=(config, theirs, DupFd(1), DupFd(2)),  # see [Note: start-up cost]
+                    name=f"{test.qualname}.{test.method}-rank{rank}",
+                    daemon=True,
+                )
+                process.start()
+                theirs.close()  # so that the rank's death reads as end-of-file on ours
+                self._processes.append(process)
+                self._conns.append(ours)
+        except BaseException:
+            self.close()
+            raise
+
+    def _stack_path(self, rank: int) -> str:
+        return os.path.join(self._dir, f"stacks-rank{rank}.txt")
+
+    def wait_for_reports(self, timeout_s: float) -> list[_Report]:
+        """Every rank's report, in the order they arrived; see [Note: outcomes]."""
+        waiting = dict(enumerate(self._conns))
+        reports: list[_Report] = []
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            ready = wait(list(waiting.values()), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                abnormal = any(report.outcome is not _Outcome.PASSED for report in reports)
+                reports += self._stopped(sorted(waiting), timed_out=not abnormal, after=timeout_s)
+                break
+            for rank in [rank for rank, conn in waiting.items() if conn in ready]:
+                del waiting[rank]
+                reports.append(self._receive(rank))
+                if reports[-1].outcome is not _Outcome.PASSED:
+                    deadline = min(deadline, time.monotonic() + _GRACE_S)
+        return reports
+
+    def _receive(self, rank: int) -> _Report:
+        try:
+            report = self._conns[rank].recv()
+        except EOFError:
+            process = self._processes[rank]
+            process.join(_GRACE_S)
+            report = _Report(rank, _Outcome.DIED, f"its exit code was {process.exitcode}")
+        self._reported.add(rank)
+        return report
+
+    def _stopped(self, ranks: list[int], *, timed_out: bool, after: float) -> list[_Report]:
+        """Reports for ranks still running; for a timeout, with their Python stacks."""
+        if not timed_out:
+            return [_Report(rank, _Outcome.STOPPED) for rank in ranks]
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._processes[rank].pid, signal.SIGUSR1)
+        deadline = time.monotonic() + _STACK_DUMP_WAIT_S
+        while time.monotonic() < deadline and not all(self._stacks(rank) for rank in ranks):
+            time.sleep(0.05)
+        reports = []
+        for rank in ranks:
+            stacks = self._stacks(rank) or "(none written: the rank had not got that far)\n"
+            detail = f"still running after {after} s; its stacks:\n{stacks}"
+            reports.append(_Report(rank, _Outcome.TIMED_OUT, detail))
+        return reports
+
+    def _stacks(self, rank: int) -> str:
+        try:
+            with open(self._stack_path(rank)) as stacks:
+                return stacks.read()
+        except FileNotFoundError:
+            return ""
+
+    def close(self) -> None:
+        """Stop ranks that never reported, let the others exit, and remove the files."""
+        for rank, process in enumerate(self._processes):
+            if rank not in self._reported and process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + _GRACE_S
+        for process in self._processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for conn in self._conns:
+            conn.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _failure_message(reports: list[_Report], world_size: int) -> str:
+    """Every rank that did not pass, the first to stop first: it is usually the cause."""
+    failed = [report for report in reports if report.outcome is not _Outcome.PASSED]
+    sections = [f"{len(failed)} of {world_size} ranks did not pass (first to stop first)"]
+    for report in failed:
+        sections.append(f"---- rank {report.rank} {report.outcome.value} ----\n{report.detail}")
+    return "\n\n".join(section.rstrip() for section in sections)
+
+
+class FSDPTest(DistributedTestMixin, unittest.TestCase):
+    """A test case whose methods run on ``world_size`` ranks, one process each.
+
+    See [Note: how a test method reaches the ranks]. Class attributes to override:
+    ``timeout_s`` (per test), ``fake_pg`` and ``fake_rank`` (run in the pytest process as
+    that rank of a fake group of ``world_size``; ``@with_fake_pg`` does it for one method).
+    """
+
+    timeout_s: ClassVar[float] = 120.0
+    fake_pg: ClassVar[bool] = False
+    fake_rank: ClassVar[int] = 0
+
+    def __init__(self, methodName: str = "runTest") -> None:
+        super().__init__(methodName)
+        method = getattr(self, methodName, None)
+        if _running_in_rank or method is None:
+            return
+        if getattr(method, "_reffsdp_fake_pg", self.fake_pg):
+            self.setUp = self._in_fake_group(self.setUp)  # type: ignore[method-assign]
+            return
+
+        @functools.wraps(method)  # keeps skip decorators visible to unittest and pytest
+        def launch() -> None:
+            __tracebackhide__ = True  # pytest: the ranks' tracebacks are the story
+            self._run_in_rank_processes()
+
+        setattr(self, methodName, launch)
+        self.setUp = self.tearDown = _do_nothing  # type: ignore[method-assign]
+
+    def _callTestMethod(self, method: Callable[[], object]) -> None:
+        # In a rank process, run the per-rank hooks around the test method, as the
+        # threaded harness does.
+        if not _running_in_rank:
+            super()._callTestMethod(method)  # type: ignore[misc]
+            return
+        self.perThreadSetUp()
+        try:
+            super()._callTestMethod(method)  # type: ignore[misc]
+        finally:
+            self.perThreadTearDown()
+
+    @contextlib.contextmanager
+    def subTest(self, msg: Any = None, **params: Any) -> Iterator[None]:
+        """Like ``TestCase.subTest``, but a failure ends the test; see [Note: outcomes]."""
+        try:
+            yield
+        except Exception as error:
+            if hasattr(error, "add_note"):  # Python 3.11+
+                label = params if msg is None else f"{msg!r} {params}"
+                error.add_note(f"in subTest {label}")
+            raise
+
+    def _in_fake_group(self, set_up: Callable[[], None]) -> Callable[[], None]:
+        def set_up_in_fake_group() -> None:
+            group = contextlib.ExitStack()
+            group.enter_context(fake_process_group(self.world_size, self.fake_rank))
+            self.addCleanup(group.close)  # after tearDown, even when setUp fails
+            set_up()
+
+        return set_up_in_fake_group
+
+    def _run_in_rank_processes(self) -> None:
+        __tracebackhide__ = True
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {self.world_size}")
+        device_type = device_type_under_test()
+        if device_type == "cuda" and torch.cuda.device_count() < self.world_size:
+            self.skipTest(
+                f"needs {self.world_size} CUDA devices (one per rank), "
+                f"found {torch.cuda.device_count()}"
+            )
+        ranks = _RankProcesses(_TestAddress.of(self), self.world_size, device_type, self.timeout_s)
+        try:
+            reports = ranks.wait_for_reports(self.timeout_s)
+        finally:
+            ranks.close()
+        first_abnormal = next((r for r in reports if r.outcome is not _Outcome.PASSED), None)
+        if first_abnormal is None:
+            return
+        if first_abnormal.outcome is _Outcome.SKIPPED:
+            raise unittest.SkipTest(first_abnormal.detail)
+        self.fail(_failure_message(reports, self.world_size))
+
+
+def _do_nothing() -> None:
+    """Stands in for ``setUp``/``tearDown`` in the pytest process; the ranks run the real ones."""
