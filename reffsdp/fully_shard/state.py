@@ -115,6 +115,8 @@ class FSDPState:
                 )
             state.is_root = False
         self.ctx.all_states = states
+        # Limits set on any state before this point apply to the shared context.
+        self.comm_ctx.max_pending_reduces = max(s.comm_ctx.max_pending_reduces for s in states)
         for state in states:
             state.ctx = self.ctx
             state.comm_ctx = self.comm_ctx

@@ -69,8 +69,6 @@ class AveragingDataParallel(nn.Module):
 
 
 class TestParityOverGloo(FSDPTest):
-    reuse_processes = True
-
     @property
     def world_size(self) -> int:
         return 2

@@ -1,0 +1,118 @@
+"""HSDP over real gloo processes: a 2x2 ``(dp_replicate, dp_shard)`` mesh trains like DDP.
+
+The threaded twin (``tests/multithread/test_fully_shard_hsdp.py``) covers more knobs; this
+file repeats the core where the collectives run on a real backend, one process per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+
+from reffsdp import FSDPModule, fully_shard
+from reffsdp.core.comms import Collective
+from reffsdp.testing.comm_counter import CommCounter
+from reffsdp.testing.meshes import mesh_hsdp
+from reffsdp.testing.models import MLP
+from reffsdp.testing.multiprocess import FSDPTest
+from reffsdp.testing.parity import broadcast_params_from_rank0, check_train_parity
+
+pytestmark = pytest.mark.multiprocess
+
+AG, RS, AR = Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_REDUCE
+DIM = 8
+NUM_BLOCKS = 2
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.layers = nn.ModuleList(MLP(DIM, dim_multiplier=i + 3) for i in range(NUM_BLOCKS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def make_inputs(iteration: int, rank: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * iteration + rank)
+    return torch.randn(2, DIM, generator=generator)
+
+
+@contextlib.contextmanager
+def without_all_reduce(model: FSDPModule):
+    model.set_requires_all_reduce(False)
+    try:
+        yield
+    finally:
+        model.set_requires_all_reduce(True)
+
+
+@contextlib.contextmanager
+def without_gradient_sync(model: FSDPModule):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+class TestHSDPOverGloo(FSDPTest):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def _ref_and_model(self, **fsdp_kwargs) -> tuple[nn.Module, Blocks]:
+        model = Blocks()
+        broadcast_params_from_rank0(model)
+        ref = copy.deepcopy(model)
+        mesh = mesh_hsdp(2, 2)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, **fsdp_kwargs)
+        fully_shard(model, mesh=mesh, **fsdp_kwargs)
+        return ref, model
+
+    def test_train_parity(self):
+        self.run_subtests({"reshard_after_forward": [True, False]}, self._check_parity)
+
+    def _check_parity(self, reshard_after_forward):
+        ref, model = self._ref_and_model(reshard_after_forward=reshard_after_forward)
+        for name, param in model.named_parameters():
+            self.assertEqual(param.placements, (Replicate(), Shard(0)), name)
+        groups = NUM_BLOCKS + 1
+        with CommCounter() as counter:
+            model(make_inputs(0, self.rank)).sum().backward()
+        backward_gathers = groups if reshard_after_forward else 0
+        self.assertEqual(
+            counter.get_comm_counts(), {AG: groups + backward_gathers, RS: groups, AR: groups}
+        )
+        self.assertEqual(counter.get_comm_bytes()[RS], 2 * counter.get_comm_bytes()[AR])
+        model.zero_grad()
+        check_train_parity(self, ref, model, make_inputs, num_steps=2)
+
+    def test_gradient_accumulation(self):
+        self.run_subtests(
+            {"no_sync": [without_all_reduce, without_gradient_sync]}, self._check_accumulation
+        )
+
+    def _check_accumulation(self, no_sync):
+        ref, model = self._ref_and_model()
+        groups = NUM_BLOCKS + 1
+        with no_sync(model), CommCounter() as counter:
+            model(make_inputs(0, self.rank)).sum().backward()
+        expected_rs = groups if no_sync is without_all_reduce else 0
+        self.assertEqual(counter.get_comm_counts()[RS], expected_rs)
+        self.assertEqual(counter.get_comm_counts()[AR], 0)
+        model.zero_grad()
+        ref2, model2 = self._ref_and_model()
+        check_train_parity(
+            self, ref2, model2, make_inputs, num_steps=2, num_microbatches=2, no_sync=no_sync
+        )
