@@ -90,6 +90,15 @@ class ThreadedProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"ThreadedProcessGroup(rank={self.rank()}, size={self.size()})"
 
+    @property
+    def _device_types(self) -> list[torch.device]:
+        # c10d reads the device types from registered C++ backends, which a Python group
+        # has none of; state-dict utilities pick their staging device from this list.
+        types = [torch.device("cpu")]
+        if torch.cuda.is_available():
+            types.append(torch.device("cuda"))
+        return types
+
     # c10d keeps a group's name and description on its C++ backends, which a Python group
     # does not have; c10d's Python side sets and reads them through these names instead.
     @property

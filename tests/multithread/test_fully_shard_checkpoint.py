@@ -184,11 +184,6 @@ class TestStateDicts(FSDPTestMultiThread):
         for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad, msg=name)
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="harness: the threaded process group registers no backend device types, and "
-        "torch's _broadcast_tensors reads pg._device_types[0] (IndexError)",
-    )
     def test_full_state_dict_broadcast_from_rank0(self):
         ref, model = self._ref_and_model()
         with torch.no_grad():
