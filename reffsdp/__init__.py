@@ -4,7 +4,7 @@ Import-compatible with ``torch.distributed.fsdp``: swap ``from torch.distributed
 import X`` for ``from reffsdp import X``.
 """
 
-from .fully_shard import (
+from .per_param import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
     FSDPModule,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import unittest
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -155,11 +156,37 @@ def check_train_parity(
         loss_problems = _loss_problems(losses, ref_losses, rtol, atol)
         _agree_and_report(test_case, f"check_train_parity, step {step} losses", loss_problems)
         check_params(f"step {step} after backward")
+        if step == 0:
+            _check_gradients_not_vacuous(ref_model)
         ref_optim.step()
         optim.step()
         check_params(f"step {step} after the optimizer step")
         step_losses.append(sum(_full(loss).item() for loss in losses))
     return step_losses
+
+
+class VacuousParityWarning(UserWarning):
+    """A parity check compared only zero gradients, so it could not have failed."""
+
+
+def _check_gradients_not_vacuous(ref_model: nn.Module) -> None:
+    """Warn when the reference has no non-zero gradient on any rank at step 0.
+
+    Then every gradient comparison passes whatever the sharded model does (e.g. every ReLU
+    of a small model dead for the drawn weights), and a broken reduction goes unnoticed.
+    Tests whose point is to show a bug is caught should fix their initialization.
+    """
+    grads = [p.grad for p in ref_model.parameters() if p.grad is not None]
+    nonzero = torch.tensor([float(any(bool(g.any()) for g in grads))], device=_flag_device())
+    dist.all_reduce(nonzero, op=dist.ReduceOp.MAX)
+    if not nonzero.item():
+        warnings.warn(
+            "check_train_parity: every reference gradient is zero at step 0 on every rank, so "
+            "the gradient checks prove nothing; change the inputs, the initialization or the "
+            "loss",
+            VacuousParityWarning,
+            stacklevel=3,
+        )
 
 
 def sum_loss(output: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:

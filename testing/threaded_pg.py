@@ -56,12 +56,13 @@ def _completed_work(outputs: list[torch.Tensor]) -> dist.Work:
 
     C++ readers of the future, such as DDP's built-in FP16 compression hook, require the
     value to be a typed tensor list. A future completed from Python holds an opaque Python
-    object instead, so a non-empty list goes through ``torch.jit._fork``, which (outside
-    TorchScript) runs the function at once and stores its result with the inferred type.
-    An empty list has no type to infer; nothing in C++ reads it.
+    object instead, so a non-empty list goes through ``torch._C.fork`` (what
+    ``torch.jit.fork`` calls, minus its deprecation warning), which outside TorchScript runs
+    the function at once and stores its result with the inferred type. An empty list has
+    no type to infer; nothing in C++ reads it.
     """
     if outputs:
-        future = torch.jit._fork(lambda: outputs)
+        future = torch._C.fork(lambda: outputs)
     else:
         future = torch.futures.Future()
         future.set_result(outputs)

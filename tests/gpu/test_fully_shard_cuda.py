@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from reffsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from reffsdp.core import comms
-from reffsdp.fully_shard.api import AllGather
+from reffsdp.per_param.api import AllGather
 from reffsdp.testing.models import MLP
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_sharded_parity, check_train_parity

@@ -12,6 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
 from reffsdp.testing.models import MLP
 from reffsdp.testing.multiprocess import FSDPTest
 from reffsdp.testing.parity import (
@@ -19,8 +22,6 @@ from reffsdp.testing.parity import (
     check_sharded_parity,
     check_train_parity,
 )
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
 
 pytestmark = pytest.mark.multiprocess
 

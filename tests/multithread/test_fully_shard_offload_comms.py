@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from reffsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from reffsdp.core import comms
-from reffsdp.fully_shard.api import AllGather, ReduceScatter
+from reffsdp.per_param.api import AllGather, ReduceScatter
 from reffsdp.testing.models import MLP
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_train_parity

@@ -1,6 +1,7 @@
 """The mesh helpers build named meshes with row-major rank layouts, or explain why not."""
 
 import pytest
+
 from reffsdp.testing.meshes import mesh_1d, mesh_dp_tp, mesh_hsdp, mesh_nd
 from reffsdp.testing.multithread import FSDPTestMultiThread
 

@@ -14,15 +14,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
 from reffsdp.testing.models import MLP, DoubleLinear
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import (
+    VacuousParityWarning,
     broadcast_params_from_rank0,
     check_sharded_parity,
     check_train_parity,
 )
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 pytestmark = pytest.mark.multithread
 
@@ -287,3 +289,23 @@ class TestCheckTrainParity(FSDPTestMultiThread):
         expected = "rank 0: max abs diff" if self.rank == 0 else r"failed on rank\(s\) \[0\]"
         with self.assertRaisesRegex(AssertionError, expected):
             self._check(make_model=make_model, prefix="mlp.")
+
+
+class TestVacuousCheckWarns(FSDPTestMultiThread):
+    # One rank: warning filters and registries are process-global, so ranks sharing a
+    # process would see each other's warnings.
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def test_warns_when_every_gradient_is_zero(self):
+        def dead_relu_mlp() -> MLP:
+            model = MLP(5)
+            with torch.no_grad():
+                model.out_proj.bias.fill_(-1e3)  # every output of the final ReLU is 0
+            return model
+
+        ref_model = _synced(dead_relu_mlp())
+        model = HandDataParallel(copy.deepcopy(ref_model))
+        with pytest.warns(VacuousParityWarning, match="prove nothing"):
+            check_train_parity(self, ref_model, model, _inputs, prefixes_to_ignore=("module.",))

@@ -108,7 +108,12 @@ class TestPlantedBugs(FSDPTestMultiThread):
     def _train(self, patch: Callable[[], object] | None) -> None:
         """``check_train_parity`` of a sharded MLPStack vs DDP, under ``patch()`` if given."""
         model = MLPStack(DIM)
-        self.sync_module_states(model)
+        # A fixed initialization, the same on every rank: with whatever the shared RNG gives,
+        # every ReLU output can be dead, all gradients zero, and a gradient bug invisible.
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5 + 0.1)
         ref_model = copy.deepcopy(model)
         mesh = init_device_mesh("cpu", (self.world_size,))
         for block in model:

@@ -1,4 +1,4 @@
-"""The per-parameter API: ``fully_shard`` and ``FSDPModule``."""
+"""The per-parameter API: ``fully_shard``, ``FSDPModule`` and their configuration."""
 
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .fully_shard import fully_shard
