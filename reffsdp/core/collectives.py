@@ -151,7 +151,7 @@ def plan_reduction(
             factor = 1.0 / divide_factor
             return ReducePlan(comms.premul_sum(factor), sum_op, None, None, factor)
     factor = divide_factor if divide_factor is not None else dp_size
-    if overflow_risk and not force_sum:
+    if overflow_risk:
         pre, post = pre_post_divide_factors(factor)
     else:
         pre, post = 1.0, float(factor)
