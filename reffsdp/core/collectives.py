@@ -136,13 +136,16 @@ def plan_reduction(
     sum_op = dist.ReduceOp.SUM
     dp_size = mesh_info.shard_size * mesh_info.replicate_size
     overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
+    # Replicate only (SPMD mesh): no shard group; the all-reduce group decides support.
     group = mesh_info.shard_group
+    if group is None:
+        group = mesh_info.replicate_group
     if not overflow_risk and not force_sum:
         if divide_factor is None:
             if dp_size == 1:
                 return ReducePlan(sum_op, sum_op, None, None)
             if _supports(group, "avg") and (
-                not mesh_info.is_hsdp or _supports(mesh_info.replicate_group, "avg")
+                not mesh_info.has_replicate_group or _supports(mesh_info.replicate_group, "avg")
             ):
                 return ReducePlan(dist.ReduceOp.AVG, dist.ReduceOp.AVG, None, None)
         elif divide_factor == mesh_info.shard_size and _supports(group, "avg"):
@@ -187,7 +190,7 @@ class PendingReduce:
     mesh_info: MeshInfo
     work: dist.Work | None = None
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-    # HSDP: whether to all-reduce now, and where to park outputs while not.
+    # HSDP or replicate only: whether to all-reduce now, and where to park outputs while not.
     all_reduce: bool = True
     partial: PartialReduce | None = None
     completed: bool = field(default=False)
@@ -199,7 +202,7 @@ class PendingReduce:
         if self.work is not None:
             self.work.wait()
         output = self.output
-        if self.mesh_info.is_hsdp:
+        if self.mesh_info.has_replicate_group:
             assert self.partial is not None
             if not self.all_reduce:
                 self.partial.add(output)

@@ -86,6 +86,8 @@ class ShardedParam:
         self.mesh_info = mesh_info
         self.device = device
         self.shard_dim = shard_dim % param.dim()
+        if mesh_info.spmd is not None:
+            mesh_info.spmd.check_param(param, self.shard_dim, refs[0].name)
         # A DTensor parameter (tensor parallel): FSDP shards its local shard.
         self.tp_spec: TensorParallelSpec | None = None
         if isinstance(param, DTensor):
@@ -353,13 +355,17 @@ class ShardedParam:
         """The unsharded gradient as a plain tensor: for TP, in the parameter's own layout.
 
         A TP gradient may arrive with other placements (e.g. ``Partial``); redistributing
-        it to the parameter's spec first makes its local tensor line up with our shards.
+        it to the parameter's spec first makes its local tensor line up with our shards. On
+        an SPMD mesh a ``Partial`` on a data-parallel dim stays for our own reduction.
         """
         assert self.unsharded_param is not None and self.unsharded_param.grad is not None
         grad = self.unsharded_param.grad
         if self.tp_spec is None or not isinstance(grad, DTensor):
             return grad
-        return grad.redistribute(self.tp_spec.mesh, self.tp_spec.placements).to_local()
+        placements = self.tp_spec.placements
+        if self.mesh_info.spmd is not None:
+            placements = self.mesh_info.spmd.grad_placements(tuple(grad.placements), placements)
+        return grad.redistribute(self.tp_spec.mesh, placements).to_local()
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Add a reduced local gradient into the sharded parameter's DTensor ``.grad``."""

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from ..core.mesh import MeshInfo, default_mesh, device_for, mesh_info_for
+from ..core.mesh import MeshInfo, default_mesh, device_for, mesh_info_for, spmd_mesh_info
 from ..core.param_group import ParamGroup
 from ..core.sharded_param import ShardedParam, unique_params
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
@@ -48,13 +48,18 @@ def fully_shard(
     Parameters become ``DTensor``s sharded on dim 0 (or per ``shard_placement_fn``). In
     forward each group is all-gathered just before use and, per ``reshard_after_forward``,
     freed after; in backward gradients are reduce-scattered. Returns ``module`` itself.
+
+    With ``dp_mesh_dims``, ``mesh`` is the full SPMD mesh the (DTensor) parameters live on
+    and the named dims are the data-parallel ones (see [Note: SPMD meshes] in
+    ``reffsdp/core/mesh.py``).
     """
     modules = (module,) if isinstance(module, nn.Module) else tuple(module)
     _check_modules(modules)
-    if dp_mesh_dims is not None:
-        raise NotImplementedError("dp_mesh_dims is not supported yet")
     mesh = mesh if mesh is not None else default_mesh()
-    mesh_info = mesh_info_for(mesh)
+    if dp_mesh_dims is not None:
+        mesh_info = spmd_mesh_info(mesh, dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names)
+    else:
+        mesh_info = mesh_info_for(mesh)
     device = device_for(mesh)
     reshard, post_forward_mesh_info = _resolve_reshard_after_forward(
         reshard_after_forward, mesh_info
@@ -109,6 +114,11 @@ def _resolve_reshard_after_forward(
         return value is not False, None
     if not isinstance(value, int):
         raise ValueError(f"reshard_after_forward must be a bool or int, got {value!r}")
+    if mesh_info.spmd is not None:
+        raise NotImplementedError(
+            f"reshard_after_forward={value}: an int is not supported with dp_mesh_dims; "
+            "pass True or False"
+        )
     shard_size = mesh_info.shard_size
     if value < 1 or value > shard_size or shard_size % value != 0:
         raise ValueError(
