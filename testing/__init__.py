@@ -10,6 +10,7 @@ Downstream projects import it as ``reffsdp.testing``::
 from .comm_counter import CommCounter
 from .common import DistributedTestMixin
 from .fake_pg import FakeStore, fake_process_group
+from .inputs import random_inputs, random_tokens
 from .meshes import mesh_1d, mesh_dp_tp, mesh_hsdp, mesh_nd
 from .models import MLP, ConvNet, DoubleLinear, MLPStack, ModelArgs, Transformer
 from .multiprocess import FSDPTest
@@ -47,6 +48,8 @@ __all__ = [
     "patch_all_reduce",
     "patch_broadcast",
     "patch_reduce_scatter",
+    "random_inputs",
+    "random_tokens",
     "run_threaded",
     "sgd_with_momentum",
     "sum_loss",

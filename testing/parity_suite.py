@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from reffsdp import MixedPrecisionPolicy, fully_shard
 
+from .inputs import random_inputs, random_tokens
 from .meshes import mesh_1d, mesh_hsdp
 from .models import ConvNet, MLPStack, ModelArgs, Transformer
 from .parity import check_train_parity
@@ -54,16 +55,6 @@ def _same_on_all_ranks(model: nn.Module) -> nn.Module:
     return model
 
 
-def _inputs(shape: tuple[int, ...], device: torch.device, *, tokens: int = 0):
-    def make(step: int, rank: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(1000 * step + rank)
-        if tokens:
-            return torch.randint(0, tokens, shape, generator=generator).to(device)
-        return torch.randn(shape, generator=generator).to(device)
-
-    return make
-
-
 def _mlp_stack(mesh_fn: Callable[[], Any], reshard: bool | int | None, **fsdp_kwargs: Any):
     def run(device: torch.device) -> None:
         model = _same_on_all_ranks(MLPStack(7).to(device))
@@ -72,7 +63,7 @@ def _mlp_stack(mesh_fn: Callable[[], Any], reshard: bool | int | None, **fsdp_kw
         for block in model:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **fsdp_kwargs)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **fsdp_kwargs)
-        check_train_parity(None, ref, model, _inputs((3, 7), device), num_steps=3)
+        check_train_parity(None, ref, model, random_inputs(3, 7, device=device), num_steps=3)
 
     return run
 
@@ -86,7 +77,7 @@ def _transformer(mesh_fn: Callable[[], Any], **args: Any):
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        make = _inputs((2, 8), device, tokens=model_args.vocab_size)
+        make = random_tokens(model_args.vocab_size, 2, 8, device=device)
         check_train_parity(None, ref, model, make, num_steps=3)
 
     return run
@@ -96,7 +87,7 @@ def _convnet(device: torch.device) -> None:
     model = _same_on_all_ranks(ConvNet(width=4).to(device))
     ref = copy.deepcopy(model)
     fully_shard(model, mesh=mesh_1d(device.type))
-    check_train_parity(None, ref, model, _inputs((2, 3, 6, 6), device), num_steps=3)
+    check_train_parity(None, ref, model, random_inputs(2, 3, 6, 6, device=device), num_steps=3)
 
 
 def _microbatches(device: torch.device) -> None:
@@ -113,7 +104,7 @@ def _microbatches(device: torch.device) -> None:
         None,
         ref,
         model,
-        _inputs((2, 6), device),
+        random_inputs(2, 6, device=device),
         num_steps=2,
         num_microbatches=3,
         no_sync=no_sync,

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from reffsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from reffsdp.core import comms
 from reffsdp.per_param.api import AllGather
+from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLP
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_sharded_parity, check_train_parity
@@ -55,9 +56,7 @@ def shard(model: Blocks, mesh, **fsdp_kwargs) -> Blocks:
     return model
 
 
-def make_inputs(iteration: int, rank: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 * iteration + rank)
-    return torch.randn(4, DIM, generator=generator).to(DEVICE)
+make_inputs = random_inputs(4, DIM, device=DEVICE)
 
 
 def reference_step(

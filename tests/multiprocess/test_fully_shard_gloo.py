@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from reffsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from reffsdp.core import comms
 from reffsdp.core.comms import ReduceOp
+from reffsdp.testing.inputs import random_inputs, random_tokens
 from reffsdp.testing.models import DoubleLinear, MLPStack, ModelArgs, Transformer
 from reffsdp.testing.multiprocess import FSDPTest
 from reffsdp.testing.parity import broadcast_params_from_rank0, check_train_parity
@@ -29,16 +30,10 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _vectors(dim: int, batch: int = 2):
-    def make(iteration: int, rank: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(1000 * iteration + rank)
-        return torch.randn(batch, dim, generator=generator)
-
-    return make
+    return random_inputs(batch, dim)
 
 
-def _tokens(iteration: int, rank: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 * iteration + rank)
-    return torch.randint(0, 8, (2, 8), generator=generator)
+_tokens = random_tokens(8, 2, 8)
 
 
 def _synced(model: nn.Module) -> tuple[nn.Module, nn.Module]:

@@ -17,6 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 from reffsdp import FSDPModule, fully_shard
 from reffsdp.core.comms import Collective
 from reffsdp.testing.comm_counter import CommCounter
+from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.meshes import mesh_hsdp
 from reffsdp.testing.models import MLP
 from reffsdp.testing.multiprocess import FSDPTest
@@ -42,9 +43,7 @@ class Blocks(nn.Module):
         return x
 
 
-def make_inputs(iteration: int, rank: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 * iteration + rank)
-    return torch.randn(2, DIM, generator=generator)
+make_inputs = random_inputs(2, DIM)
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from reffsdp import fully_shard
+from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLP
 from reffsdp.testing.multithread import FSDPTestMultiThread, run_threaded
 
@@ -56,9 +57,7 @@ class Blocks(nn.Module):
         return x
 
 
-def make_inputs(iteration: int, rank: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 * iteration + rank)
-    return torch.randn(2, DIM, generator=generator)
+make_inputs = random_inputs(2, DIM)
 
 
 def sgd(params) -> torch.optim.Optimizer:

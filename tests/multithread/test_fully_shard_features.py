@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from reffsdp import fully_shard
 from reffsdp.core import comms
+from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLP, MLPStack
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_train_parity
@@ -27,11 +28,7 @@ pytestmark = pytest.mark.multithread
 
 
 def _vectors(dim: int, batch: int = 2):
-    def make(iteration: int, rank: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(1000 * iteration + rank)
-        return torch.randn(batch, dim, generator=generator)
-
-    return make
+    return random_inputs(batch, dim)
 
 
 def _shard_stack(model: nn.Module, **kwargs) -> None:

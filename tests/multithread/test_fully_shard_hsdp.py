@@ -22,6 +22,7 @@ from reffsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from reffsdp.core import comms
 from reffsdp.core.comms import Collective
 from reffsdp.testing.comm_counter import CommCounter
+from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.meshes import mesh_hsdp
 from reffsdp.testing.models import MLP
 from reffsdp.testing.multithread import FSDPTestMultiThread
@@ -50,9 +51,7 @@ class Blocks(nn.Module):
         return x
 
 
-def make_inputs(iteration: int, rank: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 * iteration + rank)
-    return torch.randn(2, DIM, generator=generator)
+make_inputs = random_inputs(2, DIM)
 
 
 def shard(model: Blocks, mesh, **kwargs) -> Blocks:

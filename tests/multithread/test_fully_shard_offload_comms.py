@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from reffsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from reffsdp.core import comms
 from reffsdp.per_param.api import AllGather, ReduceScatter
+from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLP
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_train_parity
@@ -47,9 +48,7 @@ class Blocks(nn.Module):
         return x
 
 
-def make_inputs(iteration: int, rank: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 * iteration + rank)
-    return torch.randn(2, DIM, generator=generator)
+make_inputs = random_inputs(2, DIM)
 
 
 def fsdp_modules(model: Blocks) -> list[FSDPModule]:

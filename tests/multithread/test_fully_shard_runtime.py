@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from reffsdp import FSDPModule, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from reffsdp.core import comms
+from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLP, MLPStack
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_train_parity
@@ -24,11 +25,7 @@ pytestmark = pytest.mark.multithread
 
 
 def _vectors(dim: int, batch: int = 2):
-    def make(iteration: int, rank: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(1000 * iteration + rank)
-        return torch.randn(batch, dim, generator=generator)
-
-    return make
+    return random_inputs(batch, dim)
 
 
 def _shard_mlps(model: nn.Module, **kwargs) -> None:

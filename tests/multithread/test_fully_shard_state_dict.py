@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from reffsdp import fully_shard
+from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLP, MLPStack
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_train_parity
@@ -22,11 +23,7 @@ pytestmark = pytest.mark.multithread
 
 
 def _vectors(dim: int, batch: int = 2, dtype: torch.dtype = torch.float32):
-    def make(iteration: int, rank: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(1000 * iteration + rank)
-        return torch.randn(batch, dim, generator=generator).to(dtype)
-
-    return make
+    return random_inputs(batch, dim, dtype=dtype)
 
 
 def _shard_stack(model: nn.Module, **kwargs) -> nn.Module:

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from reffsdp import FSDPModule, fully_shard
 from reffsdp.core.sharding import rank_rows
+from reffsdp.testing.inputs import random_inputs, random_tokens
 from reffsdp.testing.models import MLP, ConvNet, MLPStack, ModelArgs, Transformer
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_train_parity
@@ -24,26 +25,14 @@ pytestmark = pytest.mark.multithread
 
 
 def _vectors(dim: int, batch: int = 2):
-    """``make_inputs`` for ``check_train_parity``: different data per rank and iteration."""
-
-    def make(iteration: int, rank: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(1000 * iteration + rank)
-        return torch.randn(batch, dim, generator=generator)
-
-    return make
+    return random_inputs(batch, dim)
 
 
 def _tokens(vocab_size: int, seq_len: int = 8, batch: int = 2):
-    def make(iteration: int, rank: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(1000 * iteration + rank)
-        return torch.randint(0, vocab_size, (batch, seq_len), generator=generator)
-
-    return make
+    return random_tokens(vocab_size, batch, seq_len)
 
 
-def _images(iteration: int, rank: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 * iteration + rank)
-    return torch.randn(2, 3, 6, 6, generator=generator)
+_images = random_inputs(2, 3, 6, 6)
 
 
 def _logsumexp_loss(logits: torch.Tensor) -> torch.Tensor:
