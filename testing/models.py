@@ -16,6 +16,7 @@ on CPU in milliseconds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,30 @@ class MLPStack(nn.Sequential):
         if isinstance(index, slice):
             return nn.Sequential(*list(self)[index])
         return super().__getitem__(index)
+
+
+class MLPBlocks(nn.Module):
+    """``proj`` (parameters of the root's own), then one :class:`MLP` block per multiplier.
+
+    The usual shape of an FSDP test: shard each of ``layers`` and then the whole model, and
+    the root's group holds ``proj``. Distinct ``dim_multipliers`` give every block's group a
+    distinct size.
+    """
+
+    def __init__(
+        self, dim: int, dim_multipliers: Sequence[int] = (3, 4), *, with_buffer: bool = False
+    ) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.layers = nn.ModuleList(
+            MLP(dim, dim_multiplier=m, with_buffer=with_buffer) for m in dim_multipliers
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
 
 class DoubleLinear(nn.Module):

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import unittest
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -187,6 +187,27 @@ def _check_gradients_not_vacuous(ref_model: nn.Module) -> None:
             VacuousParityWarning,
             stacklevel=3,
         )
+
+
+@contextlib.contextmanager
+def gradient_sync_off(module: nn.Module) -> Iterator[None]:
+    """No gradient reduction while open (``set_requires_gradient_sync``); a ``no_sync``
+    for :func:`check_train_parity` with ``FSDPModule``s."""
+    module.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+@contextlib.contextmanager
+def all_reduce_off(module: nn.Module) -> Iterator[None]:
+    """HSDP: reduce-scatter but no all-reduce across replicas while open."""
+    module.set_requires_all_reduce(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        module.set_requires_all_reduce(True)  # type: ignore[operator]
 
 
 def sum_loss(output: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:

@@ -31,7 +31,7 @@ from reffsdp import MixedPrecisionPolicy, fully_shard
 from .inputs import random_inputs, random_tokens
 from .meshes import mesh_1d, mesh_hsdp
 from .models import ConvNet, MLPStack, ModelArgs, Transformer
-from .parity import check_train_parity
+from .parity import check_train_parity, gradient_sync_off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +97,6 @@ def _microbatches(device: torch.device) -> None:
         fully_shard(block, mesh=mesh_1d(device.type))
     fully_shard(model, mesh=mesh_1d(device.type))
 
-    def no_sync(sharded: nn.Module):
-        return _gradient_sync_off(sharded)
-
     check_train_parity(
         None,
         ref,
@@ -107,19 +104,8 @@ def _microbatches(device: torch.device) -> None:
         random_inputs(2, 6, device=device),
         num_steps=2,
         num_microbatches=3,
-        no_sync=no_sync,
+        no_sync=gradient_sync_off,
     )
-
-
-class _gradient_sync_off:  # noqa: N801 - used like a context-manager function
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def __enter__(self) -> None:
-        self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
-
-    def __exit__(self, *exc: Any) -> None:
-        self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
 def scenarios(device_type: str) -> list[Scenario]:

@@ -23,11 +23,12 @@ each rank thread patches only its own calls (see [Note: interception is per rank
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from reffsdp.core.comms import Collective, intercept
+from reffsdp.core.comms import Collective, intercept, torch_all_gather
 
 
 def patch_all_gather(fn: Callable[..., Any]) -> AbstractContextManager[None]:
@@ -62,3 +63,20 @@ def patch_broadcast(fn: Callable[..., Any]) -> AbstractContextManager[None]:
     ``fn`` stands in for ``dist.broadcast``.
     """
     return intercept(Collective.BROADCAST, fn)
+
+
+@contextlib.contextmanager
+def count_all_gathers() -> Iterator[list[int]]:
+    """Count the all-gathers reffsdp issues on this rank; yields ``[count]``, kept current.
+
+    Unlike :class:`~reffsdp.testing.CommCounter` this sees only reffsdp's own all-gathers,
+    not those of DTensor or of a parity check running alongside.
+    """
+    count = [0]
+
+    def counting(output, input, group=None, async_op=False):
+        count[0] += 1
+        return torch_all_gather()(output, input, group=group, async_op=async_op)
+
+    with patch_all_gather(counting):
+        yield count

@@ -25,7 +25,7 @@ from reffsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from reffsdp.core import comms
 from reffsdp.per_param.api import AllGather
 from reffsdp.testing.inputs import random_inputs
-from reffsdp.testing.models import MLP
+from reffsdp.testing.models import MLPBlocks
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_sharded_parity, check_train_parity
 
@@ -36,20 +36,7 @@ DIM = 16
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
 
-class Blocks(nn.Module):
-    def __init__(self, dim: int = DIM, num_blocks: int = 2) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim, dim)
-        self.layers = nn.ModuleList(MLP(dim, dim_multiplier=3) for _ in range(num_blocks))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj(x)
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-def shard(model: Blocks, mesh, **fsdp_kwargs) -> Blocks:
+def shard(model: MLPBlocks, mesh, **fsdp_kwargs) -> MLPBlocks:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, **fsdp_kwargs)
     fully_shard(model, mesh=mesh, **fsdp_kwargs)
@@ -98,7 +85,7 @@ def nccl_world_size_1(tmp_path):
 
 def test_world_size_1_nccl_matches_ddp(nccl_world_size_1):
     torch.manual_seed(0)
-    model = Blocks().to(DEVICE)
+    model = MLPBlocks(DIM, (3, 3)).to(DEVICE)
     ref = copy.deepcopy(model)
     shard(model, init_device_mesh("cuda", (1,)))
     for param in model.parameters():
@@ -137,8 +124,8 @@ class TestFullyShardCudaThreads(FSDPTestMultiThread):
     def perThreadSetUp(self) -> None:
         torch.cuda.set_device(DEVICE)
 
-    def _ref_and_model(self, **fsdp_kwargs) -> tuple[nn.Module, Blocks]:
-        model = Blocks()
+    def _ref_and_model(self, **fsdp_kwargs) -> tuple[nn.Module, MLPBlocks]:
+        model = MLPBlocks(DIM, (3, 3))
         self.sync_module_states(model)  # on CPU: ranks share one RNG
         model.to(DEVICE)
         ref = copy.deepcopy(model)
@@ -192,7 +179,7 @@ class TestFullyShardCudaThreads(FSDPTestMultiThread):
 
     def test_cpu_offload_pinned(self):
         """Sharded params and grads live in pinned CPU memory; the optimizer steps on CPU."""
-        model = Blocks()  # on CPU: offloaded parameters stay there
+        model = MLPBlocks(DIM, (3, 3))  # on CPU: offloaded parameters stay there
         self.sync_module_states(model)
         plain = copy.deepcopy(model).to(DEVICE)
         mesh = init_device_mesh("cuda", (self.world_size,))
@@ -231,7 +218,7 @@ class TestFullyShardCudaThreads(FSDPTestMultiThread):
         spins, and only rank 0 runs the profiler.
         """
         dim = 1024
-        model = Blocks(dim=dim, num_blocks=3).to(DEVICE)
+        model = MLPBlocks(dim, (3, 3, 3)).to(DEVICE)
         shard(model, init_device_mesh("cuda", (self.world_size,)), reshard_after_forward=True)
         model.layers[0].set_modules_to_forward_prefetch([model.layers[1]])
         model.layers[1].set_modules_to_forward_prefetch([model.layers[2]])

@@ -6,22 +6,25 @@ file repeats the core where the collectives run on a real backend, one process p
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
-import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
-from reffsdp import FSDPModule, fully_shard
+from reffsdp import fully_shard
 from reffsdp.core.comms import Collective
 from reffsdp.testing.comm_counter import CommCounter
 from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.meshes import mesh_hsdp
-from reffsdp.testing.models import MLP
+from reffsdp.testing.models import MLPBlocks
 from reffsdp.testing.multiprocess import FSDPTest
-from reffsdp.testing.parity import broadcast_params_from_rank0, check_train_parity
+from reffsdp.testing.parity import (
+    all_reduce_off,
+    broadcast_params_from_rank0,
+    check_train_parity,
+    gradient_sync_off,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -30,38 +33,7 @@ DIM = 8
 NUM_BLOCKS = 2
 
 
-class Blocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(DIM, DIM)
-        self.layers = nn.ModuleList(MLP(DIM, dim_multiplier=i + 3) for i in range(NUM_BLOCKS))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj(x)
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 make_inputs = random_inputs(2, DIM)
-
-
-@contextlib.contextmanager
-def without_all_reduce(model: FSDPModule):
-    model.set_requires_all_reduce(False)
-    try:
-        yield
-    finally:
-        model.set_requires_all_reduce(True)
-
-
-@contextlib.contextmanager
-def without_gradient_sync(model: FSDPModule):
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 class TestHSDPOverGloo(FSDPTest):
@@ -69,8 +41,8 @@ class TestHSDPOverGloo(FSDPTest):
     def world_size(self) -> int:
         return 4
 
-    def _ref_and_model(self, **fsdp_kwargs) -> tuple[nn.Module, Blocks]:
-        model = Blocks()
+    def _ref_and_model(self, **fsdp_kwargs) -> tuple[nn.Module, MLPBlocks]:
+        model = MLPBlocks(DIM, (3, 4))
         broadcast_params_from_rank0(model)
         ref = copy.deepcopy(model)
         mesh = mesh_hsdp(2, 2)
@@ -99,7 +71,7 @@ class TestHSDPOverGloo(FSDPTest):
 
     def test_gradient_accumulation(self):
         self.run_subtests(
-            {"no_sync": [without_all_reduce, without_gradient_sync]}, self._check_accumulation
+            {"no_sync": [all_reduce_off, gradient_sync_off]}, self._check_accumulation
         )
 
     def _check_accumulation(self, no_sync):
@@ -107,7 +79,7 @@ class TestHSDPOverGloo(FSDPTest):
         groups = NUM_BLOCKS + 1
         with no_sync(model), CommCounter() as counter:
             model(make_inputs(0, self.rank)).sum().backward()
-        expected_rs = groups if no_sync is without_all_reduce else 0
+        expected_rs = groups if no_sync is all_reduce_off else 0
         self.assertEqual(counter.get_comm_counts()[RS], expected_rs)
         self.assertEqual(counter.get_comm_counts()[AR], 0)
         model.zero_grad()

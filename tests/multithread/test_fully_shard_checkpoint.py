@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 
 from reffsdp import fully_shard
 from reffsdp.testing.inputs import random_inputs
-from reffsdp.testing.models import MLP
+from reffsdp.testing.models import MLPBlocks
 from reffsdp.testing.multithread import FSDPTestMultiThread, run_threaded
 
 pytestmark = pytest.mark.multithread
@@ -44,27 +44,18 @@ DIM = 8
 FULL = StateDictOptions(full_state_dict=True)
 
 
-class Blocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(DIM, DIM)
-        self.layers = nn.ModuleList([MLP(DIM, dim_multiplier=3), MLP(DIM, with_buffer=True)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj(x)
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 make_inputs = random_inputs(2, DIM)
+
+
+def _blocks() -> MLPBlocks:
+    return MLPBlocks(DIM, (3, 4), with_buffer=True)
 
 
 def sgd(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1e-1, momentum=0.9)
 
 
-def shard(model: Blocks, mesh) -> Blocks:
+def shard(model: MLPBlocks, mesh) -> MLPBlocks:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -112,8 +103,8 @@ class TestStateDicts(FSDPTestMultiThread):
     def world_size(self) -> int:
         return 2
 
-    def _ref_and_model(self, mesh=None) -> tuple[Blocks, Blocks]:
-        model = Blocks()
+    def _ref_and_model(self, mesh=None) -> tuple[MLPBlocks, MLPBlocks]:
+        model = _blocks()
         self.sync_module_states(model)
         ref = copy.deepcopy(model)
         return ref, shard(model, mesh or init_device_mesh("cpu", (self.world_size,)))
@@ -127,7 +118,7 @@ class TestStateDicts(FSDPTestMultiThread):
         sharded = get_model_state_dict(model)
         self.assertEqual(list(sharded), list(ref.state_dict()))
         for name, value in sharded.items():
-            if name == "layers.1.buffer":
+            if name.endswith(".buffer"):
                 self.assertNotIsInstance(value, DTensor)
                 continue
             self.assertIsInstance(value, DTensor, name)
@@ -162,7 +153,7 @@ class TestStateDicts(FSDPTestMultiThread):
     def test_state_dict_between_forward_and_backward_is_sharded(self):
         """With ``reshard_after_forward=False`` the forward leaves unsharded parameters
         registered; saving still sees the sharded DTensors, and backward still works."""
-        model = Blocks()
+        model = _blocks()
         self.sync_module_states(model)
         ref = copy.deepcopy(model)
         mesh = init_device_mesh("cpu", (self.world_size,))
@@ -173,7 +164,7 @@ class TestStateDicts(FSDPTestMultiThread):
         self.assertNotIsInstance(model.proj.weight, DTensor)  # unsharded while in flight
         state = get_model_state_dict(model)
         for name, value in state.items():
-            if name != "layers.1.buffer":
+            if not name.endswith(".buffer"):
                 self.assertIsInstance(value, DTensor, name)
                 self.assertEqual(value.placements, (Shard(0),), name)
                 torch.testing.assert_close(value.full_tensor(), ref.state_dict()[name])
@@ -268,7 +259,7 @@ class TestHSDPStateDict(FSDPTestMultiThread):
         return 4
 
     def test_hsdp_state_dicts(self):
-        model = Blocks()
+        model = _blocks()
         self.sync_module_states(model)
         ref = copy.deepcopy(model)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
@@ -293,7 +284,7 @@ def test_save_on_4_ranks_load_on_2(save_mesh, tmp_path):
     optimizer state, so a lost or misplaced buffer changes the parameters.
     """
     torch.manual_seed(0)
-    initial, unrelated = Blocks(), Blocks()  # built here: rank threads share the RNG
+    initial, unrelated = _blocks(), _blocks()  # built here: rank threads share the RNG
     ref = copy.deepcopy(initial)
     ref_optim = sgd(ref.parameters())
     for step in range(2):
@@ -343,7 +334,10 @@ def test_save_on_4_ranks_load_on_2(save_mesh, tmp_path):
 def test_tensor_parallel_save_loads_into_1d(tmp_path):
     """FSDP + TP (dp 2 x tp 2, strided sharding) saves; a 1D FSDP model on 2 ranks loads."""
     torch.manual_seed(0)
-    saved, unrelated = Blocks(), Blocks()
+    saved, unrelated = (
+        _blocks(),
+        _blocks(),
+    )
     path = str(tmp_path / "checkpoint")
     plan = {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
 

@@ -5,7 +5,6 @@ frozen and ignored parameters, and several forwards of one group before one back
 The gradient knobs are in ``test_fully_shard_gradients.py``.
 """
 
-import contextlib
 import copy
 
 import pytest
@@ -17,12 +16,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from reffsdp import fully_shard
-from reffsdp.core import comms
 from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLP, MLPStack
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_train_parity
-from reffsdp.testing.patching import patch_all_gather
+from reffsdp.testing.patching import count_all_gathers
 
 pytestmark = pytest.mark.multithread
 
@@ -36,19 +34,6 @@ def _shard_stack(model: nn.Module, **kwargs) -> None:
     for child in model.children():
         fully_shard(child, **kwargs)
     fully_shard(model, **kwargs)
-
-
-@contextlib.contextmanager
-def _count_all_gathers():
-    """Count this rank's reffsdp all-gathers; yields a one-element list holding the count."""
-    count = [0]
-
-    def counting(output, input, group=None, async_op=False):
-        count[0] += 1
-        return comms.torch_all_gather()(output, input, group=group, async_op=async_op)
-
-    with patch_all_gather(counting):
-        yield count
 
 
 class TiedBlock(nn.Module):
@@ -135,7 +120,7 @@ class TestFullyShardParams(FSDPTestMultiThread):
         fully_shard(model.middle)
         fully_shard([model.first, model.last])
         fully_shard(model)
-        with _count_all_gathers() as count, torch.no_grad():
+        with count_all_gathers() as count, torch.no_grad():
             model(_vectors(8)(0, self.rank))
         self.assertEqual(count[0], 2)  # [first, last] and middle; the root has no params
 

@@ -22,7 +22,7 @@ from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLP, DoubleLinear, MLPStack
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_train_parity
-from reffsdp.testing.patching import patch_all_gather, patch_reduce_scatter
+from reffsdp.testing.patching import count_all_gathers, patch_reduce_scatter
 
 pytestmark = pytest.mark.multithread
 
@@ -47,19 +47,6 @@ def _expected_shard(ref: torch.Tensor, param: DTensor) -> torch.Tensor:
     return distribute_tensor(
         ref.detach(), param.device_mesh, param.placements, src_data_rank=None
     ).to_local()
-
-
-@contextlib.contextmanager
-def _count_all_gathers():
-    """Count this rank's reffsdp all-gathers; yields a one-element list holding the count."""
-    count = [0]
-
-    def counting(output, input, group=None, async_op=False):
-        count[0] += 1
-        return comms.torch_all_gather()(output, input, group=group, async_op=async_op)
-
-    with patch_all_gather(counting):
-        yield count
 
 
 class TestFullyShardGradients(FSDPTestMultiThread):
@@ -99,7 +86,7 @@ class TestFullyShardGradients(FSDPTestMultiThread):
                 module.set_reshard_after_backward(True)
 
         num_steps, num_microbatches = 2, 3
-        with _count_all_gathers() as count:
+        with count_all_gathers() as count:
             check_train_parity(
                 self,
                 ref_model,
@@ -154,7 +141,7 @@ class TestFullyShardGradients(FSDPTestMultiThread):
             return torch.randint(0, 16, (2, 4), generator=generator)
 
         num_steps = 2
-        with _count_all_gathers() as count:
+        with count_all_gathers() as count:
             check_train_parity(self, ref_model, model, make_tokens, num_steps=num_steps)
         per_step = 3 + (3 if unshard_in_backward else 2)  # forward + backward
         self.assertEqual(count[0], num_steps * per_step)

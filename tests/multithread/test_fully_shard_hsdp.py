@@ -8,7 +8,6 @@ ranks ``{0, 1}`` and ``{2, 3}`` in shard groups and ``{0, 2}``, ``{1, 3}`` in re
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 
@@ -18,15 +17,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from reffsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from reffsdp import MixedPrecisionPolicy, fully_shard
 from reffsdp.core import comms
 from reffsdp.core.comms import Collective
 from reffsdp.testing.comm_counter import CommCounter
 from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.meshes import mesh_hsdp
-from reffsdp.testing.models import MLP
+from reffsdp.testing.models import MLPBlocks
 from reffsdp.testing.multithread import FSDPTestMultiThread
-from reffsdp.testing.parity import check_train_parity
+from reffsdp.testing.parity import all_reduce_off, check_train_parity, gradient_sync_off
 from reffsdp.testing.patching import patch_all_gather, patch_all_reduce, patch_reduce_scatter
 
 pytestmark = pytest.mark.multithread
@@ -36,32 +35,17 @@ DIM = 8
 NUM_BLOCKS = 2
 
 
-class Blocks(nn.Module):
-    """``proj`` (the root's own parameters), then MLP blocks of widths 3*DIM, 4*DIM, ..."""
-
-    def __init__(self, num_blocks: int = NUM_BLOCKS) -> None:
-        super().__init__()
-        self.proj = nn.Linear(DIM, DIM)
-        self.layers = nn.ModuleList(MLP(DIM, dim_multiplier=i + 3) for i in range(num_blocks))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj(x)
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 make_inputs = random_inputs(2, DIM)
 
 
-def shard(model: Blocks, mesh, **kwargs) -> Blocks:
+def shard(model: MLPBlocks, mesh, **kwargs) -> MLPBlocks:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
     return model
 
 
-def group_padded_numels(model: Blocks, shard_size: int) -> list[int]:
+def group_padded_numels(model: MLPBlocks, shard_size: int) -> list[int]:
     """Elements of each group's all-gather output (= reduce-scatter input), root first."""
 
     def padded(params) -> int:
@@ -72,31 +56,13 @@ def group_padded_numels(model: Blocks, shard_size: int) -> list[int]:
     return [padded(model.proj.parameters())] + [padded(m.parameters()) for m in model.layers]
 
 
-@contextlib.contextmanager
-def without_all_reduce(model: FSDPModule):
-    model.set_requires_all_reduce(False)
-    try:
-        yield
-    finally:
-        model.set_requires_all_reduce(True)
-
-
-@contextlib.contextmanager
-def without_gradient_sync(model: FSDPModule):
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
 class TestHSDP(FSDPTestMultiThread):
     @property
     def world_size(self) -> int:
         return 4
 
-    def _ref_and_model(self) -> tuple[nn.Module, Blocks]:
-        model = Blocks()
+    def _ref_and_model(self) -> tuple[nn.Module, MLPBlocks]:
+        model = MLPBlocks(DIM, (3, 4))
         self.sync_module_states(model)
         return copy.deepcopy(model), model
 
@@ -155,7 +121,7 @@ class TestHSDP(FSDPTestMultiThread):
 
     def test_comm_counts_and_groups_per_step(self):
         """Per step: RS over the shard group = AR over the replicate group = #groups."""
-        model = Blocks()
+        model = MLPBlocks(DIM, (3, 4))
         numels = group_padded_numels(model, shard_size=2)
         mesh = mesh_hsdp(2, 2)
         shard(model, mesh, reshard_after_forward=True)
@@ -232,14 +198,14 @@ class TestHSDP(FSDPTestMultiThread):
             make_inputs,
             num_steps=2,
             num_microbatches=3,
-            no_sync=without_all_reduce,
+            no_sync=all_reduce_off,
         )
 
     def test_requires_gradient_sync_false_skips_both(self):
         ref, model = self._ref_and_model()
         shard(model, mesh_hsdp(2, 2))
         groups = NUM_BLOCKS + 1
-        with without_gradient_sync(model):
+        with gradient_sync_off(model):
             with CommCounter() as counter:
                 model(make_inputs(0, self.rank)).sum().backward()
         self.assertEqual(counter.get_comm_counts()[RS], 0)
@@ -259,7 +225,7 @@ class TestHSDP(FSDPTestMultiThread):
             make_inputs,
             num_steps=2,
             num_microbatches=2,
-            no_sync=without_gradient_sync,
+            no_sync=gradient_sync_off,
         )
 
 
@@ -274,7 +240,7 @@ class TestHSDPEdgeShapes(FSDPTestMultiThread):
         self.run_subtests({"shape": [(2, 1), (1, 2)]}, self._check)
 
     def _check(self, shape):
-        model = Blocks()
+        model = MLPBlocks(DIM, (3, 4))
         self.sync_module_states(model)
         ref = copy.deepcopy(model)
         mesh = mesh_hsdp(*shape)
@@ -301,7 +267,7 @@ class TestHSDPIntReshard(FSDPTestMultiThread):
         return 8
 
     def test_int_reshard_after_forward(self):
-        model = Blocks()
+        model = MLPBlocks(DIM, (3, 4))
         self.sync_module_states(model)
         ref = copy.deepcopy(model)
         shard(model, mesh_hsdp(2, 4), reshard_after_forward=2)

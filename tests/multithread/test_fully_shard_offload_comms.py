@@ -24,7 +24,7 @@ from reffsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from reffsdp.core import comms
 from reffsdp.per_param.api import AllGather, ReduceScatter
 from reffsdp.testing.inputs import random_inputs
-from reffsdp.testing.models import MLP
+from reffsdp.testing.models import MLPBlocks
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_train_parity
 from reffsdp.testing.patching import patch_all_gather, patch_reduce_scatter
@@ -35,23 +35,10 @@ DIM = 8
 NUM_BLOCKS = 3
 
 
-class Blocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(DIM, DIM)
-        self.layers = nn.ModuleList(MLP(DIM, dim_multiplier=3) for _ in range(NUM_BLOCKS))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj(x)
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 make_inputs = random_inputs(2, DIM)
 
 
-def fsdp_modules(model: Blocks) -> list[FSDPModule]:
+def fsdp_modules(model: MLPBlocks) -> list[FSDPModule]:
     return [*model.layers, model]
 
 
@@ -92,8 +79,8 @@ class TestOffloadAndComms(FSDPTestMultiThread):
     def world_size(self) -> int:
         return 2
 
-    def _ref_and_model(self, **fsdp_kwargs) -> tuple[nn.Module, Blocks]:
-        model = Blocks()
+    def _ref_and_model(self, **fsdp_kwargs) -> tuple[nn.Module, MLPBlocks]:
+        model = MLPBlocks(DIM, (3,) * NUM_BLOCKS)
         self.sync_module_states(model)
         ref = copy.deepcopy(model)
         mesh = init_device_mesh("cpu", (self.world_size,))
