@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -52,13 +53,27 @@ def register_post_backward(hook: Callable[[], None], args: Any, kwargs: Any) -> 
     return tree_unflatten(leaves, spec)
 
 
-def register_pre_backward(hook: Callable[[torch.Tensor], None], output: Any) -> Any:
-    """Call ``hook`` when the gradient of any grad-requiring tensor in ``output`` arrives."""
+def register_pre_backward(
+    hook: Callable[[torch.Tensor], None], output: Any, *, owner: str = "module"
+) -> Any:
+    """Call ``hook`` when the gradient of any grad-requiring tensor in ``output`` arrives.
+
+    An in-place op on a returned *view* replaces the view's autograd node, dropping the
+    hook with it: backward would then skip the unshard. We warn about view outputs.
+    """
     if not torch.is_grad_enabled():
         return output
     leaves, _ = tree_flatten(output)
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            if leaf._base is not None:
+                warnings.warn(
+                    f"{owner} returned a view tensor; an in-place op on it (e.g. `x += y`) "
+                    "would drop FSDP's pre-backward hook and skip the all-gather. Use "
+                    "out-of-place ops or `.clone()` the output first.",
+                    UserWarning,
+                    stacklevel=3,
+                )
             leaf.register_hook(hook)
     return output
 

@@ -79,6 +79,7 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] = []
         # Listed modules that have yet to finish this forward (see ``_pre_forward``).
         self._modules_in_forward: set[nn.Module] = set()
+        self._name = f"fully_shard module ({', '.join(type(m).__name__ for m in modules)})"
         for module in modules:
             module.__dict__[_STATE_KEY] = self
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -88,7 +89,7 @@ class FSDPState:
             module.register_load_state_dict_post_hook(self._after_load_state_dict)
 
     def __repr__(self) -> str:
-        return f"FSDPState({', '.join(type(m).__name__ for m in self.modules)})"
+        return self._name
 
     # -- lazy init ----------------------------------------------------------------------
 
@@ -164,7 +165,7 @@ class FSDPState:
             self._modules_in_forward.discard(module)
             if not self._modules_in_forward:
                 self._group_post_forward()
-        output = register_pre_backward(self._pre_backward, output)
+        output = register_pre_backward(self._pre_backward, output, owner=self._name)
         self.training_state = TrainingState.IDLE
         if self.ctx.iter_forward_root is self:
             self._finish_forward_root()

@@ -136,7 +136,7 @@ class TestFullyShardStateDict(FSDPTestMultiThread):
                 for name, value in model.state_dict().items()
             }
         )
-        check_train_parity(self, ref_model, model, _vectors(5), num_steps=3)
+        check_train_parity(self, ref_model, model, _vectors(5, batch=8), num_steps=3)
 
     def test_first_forward_on_meta_raises(self):
         with torch.device("meta"):

@@ -7,6 +7,7 @@ errors are raised before or at the first forward, where collectives only fill bu
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -260,3 +261,20 @@ def test_set_reduce_scatter_max_input_buffers(mesh, value, error):
 def test_get_fsdp_state_without_state():
     with pytest.raises(AssertionError, match="no fully_shard state"):
         FSDPModule._get_fsdp_state(nn.Linear(4, 4))
+
+
+def test_view_output_warns(mesh):
+    class ViewOut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).view(-1)
+
+    model = fully_shard(ViewOut(), mesh=mesh)
+    with pytest.warns(UserWarning, match="returned a view tensor"):
+        model(torch.randn(2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fully_shard(nn.Linear(4, 4), mesh=mesh)(torch.randn(2, 4))  # not a view: silent
