@@ -30,7 +30,6 @@ from torch.distributed.tensor import DTensor
 
 from .mesh import MeshInfo, TensorParallelSpec, sharded_spec
 from .sharding import ShardLayout, contiguous_strides, shard_tensor, unshard_from_gathered
-from .states import ShardedState
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,6 @@ class ShardedParam:
         self.orig_dtype = param.dtype
         self.param_dtype: torch.dtype | None = None
         self.reduce_dtype: torch.dtype | None = None
-        self.sharded_state = ShardedState.SHARDED
         self.gathered: torch.Tensor | None = None
         self.unsharded_param: nn.Parameter | None = None
         self._unsharded_data: torch.Tensor | None = None
@@ -131,6 +129,7 @@ class ShardedParam:
         return shard.narrow(self.shard_dim, 0, self.layout.local_rows)
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
+        """Wrap a local shard (of the parameter or its gradient) with the sharded spec."""
         return DTensor.from_local(
             local,
             self.spec_mesh,
@@ -139,10 +138,6 @@ class ShardedParam:
             shape=self.global_size,
             stride=contiguous_strides(self.global_size),
         )
-
-    def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
-        """Wrap a local shard (e.g. a reduced gradient) with this parameter's sharding."""
-        return self._to_dtensor(local)
 
     def reset_sharded_param(self) -> None:
         """Re-pad after something replaced the local tensor (``.to(dtype)``, ``to_empty``).
@@ -296,7 +291,6 @@ class ShardedParam:
             ref.set(self.sharded_param)
         self.free_unsharded()
         self.post_forward_shard = None
-        self.sharded_state = ShardedState.SHARDED
 
     def to_sharded_post_forward(self, rank: int, world_size: int) -> None:
         if self.tp_spec is not None:
@@ -316,13 +310,11 @@ class ShardedParam:
         for ref in self.refs:
             ref.set(self.sharded_param)
         self.free_unsharded()
-        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def to_unsharded(self) -> None:
         assert self.unsharded_param is not None, "to_unsharded() before an all-gather finished"
         for ref in self.refs:
             ref.set(self.unsharded_param)
-        self.sharded_state = ShardedState.UNSHARDED
 
     # -- gradients ----------------------------------------------------------------------
 
@@ -373,7 +365,7 @@ class ShardedParam:
         if self.offload:
             local_grad = local_grad.to("cpu", non_blocking=self.pin_memory)
         if param.grad is None:
-            param.grad = self.to_sharded_dtensor(local_grad)
+            param.grad = self._to_dtensor(local_grad)
         else:
             _local_tensor(param.grad).add_(local_grad)
         # Reduced gradients bypass AccumulateGrad, so run the hooks it would have run
