@@ -1,0 +1,61 @@
+"""What a user swapping imports relies on beyond training steps: parameter names and order,
+``clip_grad_norm_`` on DTensor gradients, foreach optimizers, ``zero_grad(set_to_none=False)``
+and no-grad evaluation between steps, all matching DDP."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from reffsdp import fully_shard
+from reffsdp.testing import FSDPTestMultiThread, MLPStack, random_inputs
+
+pytestmark = pytest.mark.multithread
+
+
+class TestFullyShardInterop(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_clip_grad_norm_zero_grad_and_eval_match_ddp(self):
+        model = MLPStack(8)
+        generator = torch.Generator().manual_seed(0)  # same weights on every rank, no dead ReLUs
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5 + 0.1)
+        ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+        for block in model:
+            fully_shard(block)
+        fully_shard(model)
+        self.assertEqual(
+            [name for name, _ in model.named_parameters()],
+            [name for name, _ in ddp.module.named_parameters()],
+        )
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        ref_optim = torch.optim.AdamW(ddp.parameters(), lr=1e-2, foreach=True)
+        make_inputs = random_inputs(4, 8)
+        for step in range(3):
+            x = make_inputs(step, self.rank)
+            model(x).sum().backward()
+            ddp(x).sum().backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=0.5)
+            self.assertGreater(ref_norm.item(), 0.5)  # clipping really happens
+            torch.testing.assert_close(
+                norm.full_tensor() if isinstance(norm, DTensor) else norm, ref_norm
+            )
+            optim.step()
+            ref_optim.step()
+            optim.zero_grad(set_to_none=False)
+            ref_optim.zero_grad(set_to_none=False)
+            with torch.no_grad():
+                model.eval()
+                ddp.eval()
+                torch.testing.assert_close(model(x), ddp(x))
+                model.train()
+                ddp.train()
+        for (name, param), ref_param in zip(model.named_parameters(), ddp.module.parameters()):
+            torch.testing.assert_close(param.full_tensor(), ref_param, msg=name)
