@@ -148,8 +148,7 @@ def sharded_spec(
     dp_placement: Placement = Shard(shard_dim)
     if tp_shards > 1:
         dp_placement = _StridedShard(shard_dim, split_factor=tp_shards)
-    # Both meshes slice one root mesh; DeviceMesh has no public way to join them yet.
-    mesh = DeviceMesh._concatenate([mesh_info.mesh, tp.mesh])
+    mesh = concatenate_meshes(mesh_info.mesh, tp.mesh)
     return mesh, (*mesh_info.placements(dp_placement), *tp.placements)
 
 
@@ -288,7 +287,7 @@ def spmd_mesh_info(
     if not replicate_names:
         return MeshInfo(shard_mesh, 0, spmd=spmd)
     # One (replicate, shard) mesh, as a user's HSDP mesh; both slice the same root mesh.
-    hsdp_mesh = DeviceMesh._concatenate([flatten_dims(mesh, replicate_names), shard_mesh])
+    hsdp_mesh = concatenate_meshes(flatten_dims(mesh, replicate_names), shard_mesh)
     return MeshInfo(hsdp_mesh, 1, 0, spmd=spmd)
 
 
@@ -315,3 +314,18 @@ def flatten_dims(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     # DeviceMesh has no public flatten yet. ``_flatten`` builds (once, then caches by name)
     # the 1D mesh and its process group over exactly these ranks.
     return mesh[names]._flatten("_".join(names))
+
+
+def concatenate_meshes(first: DeviceMesh, second: DeviceMesh) -> DeviceMesh:
+    """One mesh whose dims are ``first``'s then ``second``'s (both slices of one root mesh).
+
+    DeviceMesh has no public way to join slices yet: newer torch has ``_concatenate``;
+    older torch can slice the shared root mesh by the dims' names.
+    """
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:
+        return concatenate([first, second])
+    from torch.distributed.device_mesh import _mesh_resources
+
+    root = _mesh_resources.get_root_mesh(first)
+    return root[(*first.mesh_dim_names, *second.mesh_dim_names)]
