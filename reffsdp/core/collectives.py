@@ -194,6 +194,7 @@ class PendingReduce:
     all_reduce: bool = True
     partial: PartialReduce | None = None
     completed: bool = field(default=False)
+    host_copy_event: Any = None  # CPU offload: gradients still landing on the host
 
     def complete(self) -> None:
         if self.completed:
@@ -214,22 +215,26 @@ class PendingReduce:
             self.all_reduce_hook(output)
         if self.plan.post_factor is not None:
             output.div_(self.plan.post_factor)
-        _write_sharded_grads(self.params, output)
-        if any(p.pin_memory for p in self.params):
-            # Non-blocking device-to-host gradient copies must land before the optimizer
-            # (on the CPU) reads them.
-            torch.accelerator.current_stream().synchronize()
+        if _write_sharded_grads(self.params, output):
+            # Non-blocking device-to-host gradient copies: the final callback waits for this
+            # event before anyone (the optimizer, on the CPU) reads the gradients.
+            self.host_copy_event = torch.cuda.current_stream().record_event()
         self.input = self.output = None  # type: ignore[assignment]
 
 
-def _write_sharded_grads(params: list[ShardedParam], output: torch.Tensor) -> None:
-    """View each parameter's local gradient out of the reduced row (see the module note)."""
+def _write_sharded_grads(params: list[ShardedParam], output: torch.Tensor) -> bool:
+    """View each parameter's local gradient out of the reduced row (see the module note).
+
+    Returns whether any gradient is still being copied to the host.
+    """
+    in_flight = False
     offset = 0
     for param in params:
         layout = param.layout
         local = output.narrow(0, offset, layout.local_shard_numel).view(layout.local_shard_size)
-        param.accumulate_sharded_grad(local.to(param.orig_dtype))
+        in_flight |= param.accumulate_sharded_grad(local.to(param.orig_dtype))
         offset += layout.padded_shard_numel
+    return in_flight
 
 
 def _as_dim0_chunks(grad: torch.Tensor, param: ShardedParam) -> torch.Tensor:

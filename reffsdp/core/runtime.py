@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,7 @@ class CommContext:
     pending_reduces: deque[PendingReduce] = field(default_factory=deque)
     max_pending_reduces: int = 1
     _all_gather_stream: AllGatherStream | None = None
+    _host_copy_events: list[Any] = field(default_factory=list)
 
     def all_gather_stream(self, device: torch.device) -> AllGatherStream:
         """The side stream this root's all-gathers use (see [Note: why all-gathers get their
@@ -44,11 +45,21 @@ class CommContext:
     def add_pending_reduce(self, pending: PendingReduce) -> None:
         self.pending_reduces.append(pending)
         while len(self.pending_reduces) > self.max_pending_reduces:
-            self.pending_reduces.popleft().complete()
+            self._complete_oldest()
 
     def complete_reduces(self) -> None:
+        """End of backward: every gradient written, and (CPU offload) landed on the host."""
         while self.pending_reduces:
-            self.pending_reduces.popleft().complete()
+            self._complete_oldest()
+        for event in self._host_copy_events:
+            event.synchronize()
+        self._host_copy_events.clear()
+
+    def _complete_oldest(self) -> None:
+        pending = self.pending_reduces.popleft()
+        pending.complete()
+        if pending.host_copy_event is not None:
+            self._host_copy_events.append(pending.host_copy_event)
 
     def discard_reduces(self) -> None:
         """Wait for in-flight reductions but write no gradients (used after an error)."""

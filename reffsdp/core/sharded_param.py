@@ -359,20 +359,28 @@ class ShardedParam:
             placements = self.mesh_info.spmd.grad_placements(tuple(grad.placements), placements)
         return grad.redistribute(self.tp_spec.mesh, placements).to_local()
 
-    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
-        """Add a reduced local gradient into the sharded parameter's DTensor ``.grad``."""
+    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> bool:
+        """Add a reduced local gradient into the sharded parameter's DTensor ``.grad``.
+
+        Returns whether a non-blocking device-to-host copy is still in flight (CPU offload
+        with pinned memory): the caller must synchronize before the optimizer reads it. The
+        copy may only stay in flight when nothing on the CPU reads the gradient now: no
+        existing gradient to add to, no hook to run.
+        """
         param = self.sharded_param
+        # Reduced gradients bypass AccumulateGrad, so we run the hooks it would have run
+        # (e.g. an optimizer stepping inside backward).
+        hooks = list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values())
+        in_flight = self.offload and self.pin_memory and param.grad is None and not hooks
         if self.offload:
-            local_grad = local_grad.to("cpu", non_blocking=self.pin_memory)
+            local_grad = local_grad.to("cpu", non_blocking=in_flight)
         if param.grad is None:
             param.grad = self._to_dtensor(local_grad)
         else:
             _local_tensor(param.grad).add_(local_grad)
-        # Reduced gradients bypass AccumulateGrad, so run the hooks it would have run
-        # (e.g. an optimizer stepping inside backward).
-        hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-        for hook in (hooks or {}).values():
+        for hook in hooks:
             hook(param)
+        return in_flight
 
     def discard_grads(self) -> None:
         if self.unsharded_param is not None:
