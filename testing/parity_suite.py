@@ -8,8 +8,10 @@ and parameters compared at every step). Run it from the command line::
     python -m reffsdp.testing --world-size 2 --only mlp
     python -m reffsdp.testing --backend threaded --device cuda   # one GPU, 4 threads
 
-Scenarios that need more ranks than ``--world-size`` (HSDP needs an even number >= 4) are
-skipped. The exit code is non-zero when any scenario fails.
+Meshes: 1D, HSDP ``(2, n/2)``, and ND with tensor parallelism ``(n/2, tp=2)`` and
+``(2, n/4, tp=2)``. Scenarios that need more ranks than ``--world-size`` (HSDP and 2D
+need an even number >= 4, the 3D mesh 8) are skipped. The exit code is non-zero when any
+scenario fails.
 """
 
 from __future__ import annotations
@@ -25,11 +27,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from reffsdp import MixedPrecisionPolicy, fully_shard
 
 from .inputs import random_inputs, random_tokens
-from .meshes import mesh_1d, mesh_hsdp
+from .meshes import mesh_1d, mesh_dp_tp, mesh_hsdp, mesh_nd
 from .models import ConvNet, MLPStack, ModelArgs, Transformer
 from .parity import check_train_parity, gradient_sync_off
 
@@ -78,6 +85,33 @@ def _transformer(mesh_fn: Callable[[], Any], **args: Any):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         make = random_tokens(model_args.vocab_size, 2, 8, device=device)
+        check_train_parity(None, ref, model, make, num_steps=3)
+
+    return run
+
+
+def _tensor_parallel(replicate: int):
+    """MLP blocks with colwise/rowwise tensor parallelism (tp = 2), sharded by FSDP on the
+    data-parallel dims: a ``(dp_shard, tp)`` mesh, or ``(dp_replicate, dp_shard, tp)``."""
+
+    def run(device: torch.device) -> None:
+        tp = 2
+        shard = dist.get_world_size() // (replicate * tp)
+        if replicate == 1:
+            mesh = mesh_dp_tp(shard, tp, device.type)
+            dp_mesh = mesh["dp_shard"]
+        else:
+            mesh = mesh_nd(replicate, shard, tp, device.type)
+            dp_mesh = mesh["dp_replicate", "dp_shard"]
+        model = _same_on_all_ranks(MLPStack(8).to(device))
+        ref = copy.deepcopy(model)
+        plan = {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
+        for block in model:
+            parallelize_module(block, mesh["tp"], plan)
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+        # Ranks of one tensor-parallel group (consecutive ranks) see the same batch.
+        make = random_inputs(3, 8, device=device, same_within=tp)
         check_train_parity(None, ref, model, make, num_steps=3)
 
     return run
@@ -134,6 +168,8 @@ def scenarios(device_type: str) -> list[Scenario]:
             min_world_size=4,
             needs_even_world=True,
         ),
+        Scenario("mlp/dp-tp", _tensor_parallel(1), min_world_size=4, needs_even_world=True),
+        Scenario("mlp/hsdp-tp", _tensor_parallel(2), min_world_size=8, needs_even_world=True),
     ]
 
 

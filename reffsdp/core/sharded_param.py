@@ -22,6 +22,7 @@ re-gathering in backward does not make autograd reject tensors it saved in forwa
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,23 @@ def _set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
     dtensor._local_tensor = local
 
 
+_uids = itertools.count()
+
+
+def _original_uid(param: nn.Parameter) -> int:
+    """A number that identifies ``param`` for as long as any call may see it.
+
+    ``id()`` is not enough: once an earlier call replaced a parameter, the original can be
+    freed and its id reused by a later parameter, which would look "shared". The number is
+    stamped on the original parameter, which FSDP replaces and never manages itself.
+    """
+    uid = param.__dict__.get("_reffsdp_original_uid")
+    if uid is None:
+        uid = next(_uids)
+        param.__dict__["_reffsdp_original_uid"] = uid
+    return uid
+
+
 class ShardedParam:
     """Shards one parameter over ``mesh_info`` and swaps it between its two forms."""
 
@@ -81,7 +99,7 @@ class ShardedParam:
         # Name under the root module, for messages; set by the root's lazy init.
         self.root_fqn: str | None = None
         # Identity of the original parameter, to catch one tensor sharded by two groups.
-        self.orig_param_id = id(param)
+        self.orig_param_uid = _original_uid(param)
         self.mesh_info = mesh_info
         self.device = device
         self.shard_dim = shard_dim % param.dim()

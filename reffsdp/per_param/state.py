@@ -301,7 +301,7 @@ def _check_no_param_in_two_groups(states: list[FSDPState]) -> None:
         if state.group is None:
             continue
         for param in state.group.params:
-            other = owner.setdefault(param.orig_param_id, state)
+            other = owner.setdefault(param.orig_param_uid, state)
             if other is not state:
                 raise ValueError(
                     f"parameter {param.fqn} is shared by {other} and {state}, which shard it "

@@ -300,3 +300,13 @@ def test_importing_reffsdp_loads_no_torch_fsdp_and_warns_nothing():
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_original_parameter_identity_is_a_stamped_uid_not_id():
+    # ``id()`` of a replaced parameter can be reused by a later one; the uid cannot.
+    from reffsdp.core.sharded_param import _original_uid
+
+    first = torch.nn.Parameter(torch.zeros(2))
+    uid = _original_uid(first)
+    assert _original_uid(first) == uid
+    assert all(_original_uid(torch.nn.Parameter(torch.zeros(2))) != uid for _ in range(50))
