@@ -12,7 +12,16 @@ from .common import DistributedTestMixin
 from .fake_pg import FakeStore, fake_process_group
 from .inputs import random_inputs, random_tokens
 from .meshes import mesh_1d, mesh_dp_tp, mesh_hsdp, mesh_nd
-from .models import MLP, ConvNet, DoubleLinear, MLPStack, ModelArgs, Transformer
+from .models import (
+    MLP,
+    ConvNet,
+    DoubleLinear,
+    MLPBlocks,
+    MLPStack,
+    ModelArgs,
+    Transformer,
+    init_deterministic,
+)
 from .multiprocess import FSDPTest
 from .multithread import FSDPTestMultiThread, run_threaded
 from .parity import (
@@ -33,6 +42,7 @@ __all__ = [
     "FSDPTest",
     "FSDPTestMultiThread",
     "FakeStore",
+    "MLPBlocks",
     "MLPStack",
     "ModelArgs",
     "Transformer",
@@ -40,6 +50,7 @@ __all__ = [
     "check_sharded_parity",
     "check_train_parity",
     "fake_process_group",
+    "init_deterministic",
     "mesh_1d",
     "mesh_dp_tp",
     "mesh_hsdp",

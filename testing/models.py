@@ -277,3 +277,19 @@ class ConvNet(nn.Module):
         h = F.relu(self.conv2(h))
         h = F.adaptive_avg_pool2d(h, 1).flatten(1)
         return self.head(h)
+
+
+def init_deterministic(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Give ``module`` the same parameters on every rank, without collectives, and keep its
+    ReLUs alive.
+
+    Every parameter gets ``0.5 * N(0, 1) + 0.1`` from a generator seeded with ``seed``. The
+    positive shift matters for tests that must be able to fail: with default initialization
+    a small ReLU network can come out with every output dead, all gradients zero, and any
+    gradient bug invisible.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.5 + 0.1)
+    return module

@@ -15,10 +15,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from reffsdp.testing.models import MLP
+from reffsdp.testing.models import MLP, init_deterministic
 from reffsdp.testing.multiprocess import FSDPTest
 from reffsdp.testing.parity import (
-    broadcast_params_from_rank0,
     check_sharded_parity,
     check_train_parity,
 )
@@ -75,8 +74,7 @@ class TestParityOverGloo(FSDPTest):
         return 2
 
     def _train(self, grad_bug=None) -> list[float]:
-        ref_model = MLP(5)
-        broadcast_params_from_rank0(ref_model)
+        ref_model = init_deterministic(MLP(5))
         model = AveragingDataParallel(copy.deepcopy(ref_model), grad_bug)
         return check_train_parity(
             self, ref_model, model, _inputs, num_steps=2, prefixes_to_ignore=("module.",)
@@ -97,8 +95,7 @@ class TestParityOverGloo(FSDPTest):
             self._train(double_on_rank_1)
 
     def test_sharded_parity_catches_a_grad_shard_scaled_on_one_rank(self):
-        ref_model = MLP(5)
-        broadcast_params_from_rank0(ref_model)
+        ref_model = init_deterministic(MLP(5))
         ref_model(_inputs(0, self.rank)).sum().backward()
         sharded_model = _shard_with_grads(ref_model, init_device_mesh("cpu", (self.world_size,)))
         check_sharded_parity(self, ref_model, sharded_model)

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from reffsdp import fully_shard
 from reffsdp.testing import FSDPTestMultiThread, MLPStack, random_inputs
+from reffsdp.testing.models import init_deterministic
 
 pytestmark = pytest.mark.multithread
 
@@ -22,10 +23,7 @@ class TestFullyShardInterop(FSDPTestMultiThread):
 
     def test_clip_grad_norm_zero_grad_and_eval_match_ddp(self):
         model = MLPStack(8)
-        generator = torch.Generator().manual_seed(0)  # same weights on every rank, no dead ReLUs
-        with torch.no_grad():
-            for param in model.parameters():
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5 + 0.1)
+        init_deterministic(model)  # same weights on every rank, no dead ReLUs
         ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
         for block in model:
             fully_shard(block)

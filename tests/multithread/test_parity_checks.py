@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from reffsdp.testing.models import MLP, DoubleLinear
+from reffsdp.testing.models import MLP, DoubleLinear, init_deterministic
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import (
     VacuousParityWarning,
@@ -30,9 +30,8 @@ pytestmark = pytest.mark.multithread
 
 
 def _synced(model: nn.Module) -> nn.Module:
-    """``model`` with rank 0's weights on every rank (threads share one RNG)."""
-    broadcast_params_from_rank0(model)
-    return model
+    """``model`` with the same, live weights on every rank (threads share one RNG)."""
+    return init_deterministic(model)
 
 
 def _inputs(iteration: int, rank: int, dim: int = 5) -> torch.Tensor:
@@ -305,7 +304,8 @@ class TestVacuousCheckWarns(FSDPTestMultiThread):
                 model.out_proj.bias.fill_(-1e3)  # every output of the final ReLU is 0
             return model
 
-        ref_model = _synced(dead_relu_mlp())
+        ref_model = dead_relu_mlp()
+        broadcast_params_from_rank0(ref_model)
         model = HandDataParallel(copy.deepcopy(ref_model))
         with pytest.warns(VacuousParityWarning, match="prove nothing"):
             check_train_parity(self, ref_model, model, _inputs, prefixes_to_ignore=("module.",))

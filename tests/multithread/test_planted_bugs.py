@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from reffsdp import fully_shard
 from reffsdp.core import comms
-from reffsdp.testing.models import MLPStack
+from reffsdp.testing.models import MLPStack, init_deterministic
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_train_parity
 from reffsdp.testing.patching import patch_all_gather, patch_reduce_scatter
@@ -108,12 +108,7 @@ class TestPlantedBugs(FSDPTestMultiThread):
     def _train(self, patch: Callable[[], object] | None) -> None:
         """``check_train_parity`` of a sharded MLPStack vs DDP, under ``patch()`` if given."""
         model = MLPStack(DIM)
-        # A fixed initialization, the same on every rank: with whatever the shared RNG gives,
-        # every ReLU output can be dead, all gradients zero, and a gradient bug invisible.
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for param in model.parameters():
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5 + 0.1)
+        init_deterministic(model)
         ref_model = copy.deepcopy(model)
         mesh = init_device_mesh("cpu", (self.world_size,))
         for block in model:
