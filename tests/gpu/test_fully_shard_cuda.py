@@ -206,9 +206,9 @@ class TestFullyShardCudaThreads(FSDPTestMultiThread):
 
     @pytest.mark.xfail(
         strict=False,
-        reason="reffsdp issues all-gathers on the current stream (no separate all-gather "
-        "stream yet, SPEC 3.5), so the next block's all-gather queues behind this block's "
-        "compute instead of overlapping it",
+        reason="all-gathers run on their own stream, but on one GPU the ranks are threads of "
+        "the threaded group, which synchronizes the device around every exchange; the "
+        "prefetch can then block the CPU before this block's compute is queued",
     )
     def test_next_all_gather_overlaps_current_compute(self):
         """Profile a forward with an explicit prefetch: block 1's all-gather (a spin kernel
