@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from reffsdp import fully_shard
-from reffsdp.testing import FSDPTestMultiThread, MLPStack, random_inputs
+from reffsdp.testing import MLP, FSDPTestMultiThread, MLPStack, check_train_parity, random_inputs
 from reffsdp.testing.models import init_deterministic
 
 pytestmark = pytest.mark.multithread
@@ -57,3 +57,24 @@ class TestFullyShardInterop(FSDPTestMultiThread):
                 ddp.train()
         for (name, param), ref_param in zip(model.named_parameters(), ddp.module.parameters()):
             torch.testing.assert_close(param.full_tensor(), ref_param, msg=name)
+
+    def test_checkpoint_wrapper_blocks_match_ddp(self):
+        """torch's ``apply_activation_checkpointing`` wrappers around sharded blocks."""
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing,
+        )
+
+        model = init_deterministic(MLPStack(8))
+        ref_model = copy.deepcopy(model)
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, MLP))
+        for block in model:
+            fully_shard(block)
+        fully_shard(model)
+        check_train_parity(
+            self,
+            ref_model,
+            model,
+            random_inputs(4, 8),
+            num_steps=3,
+            prefixes_to_ignore=("_checkpoint_wrapped_module.",),
+        )
