@@ -8,3 +8,5 @@ python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visib
 python -m pip install --quiet --disable-pip-version-check --no-deps -e .
 python -m pip install --quiet --disable-pip-version-check pytest pytest-timeout parameterized coverage
 python -m pytest -p no:cacheprovider --device cuda -m "gpu or multiprocess" "$@"
+# Step time against torch's fully_shard and DDP on one GPU (prints ratios).
+python tests/benchmarks/bench_step_time.py --backend nccl --world-size 1
