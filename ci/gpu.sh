@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU job: keep the machine's own CUDA torch (never install one here), install reffsdp
-# without dependencies, then run the CUDA tests and the CPU suite on the same build.
+# without dependencies, run the CUDA tests (gpu and multiprocess markers on cuda), then
+# the step-time benchmark.
 # Usage: bash ci/gpu.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
