@@ -189,6 +189,43 @@ def _check_gradients_not_vacuous(ref_model: nn.Module) -> None:
         )
 
 
+def train_step(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> float:
+    """One plain step: zero grads, forward, backward, optimizer step; returns the loss."""
+    optim.zero_grad()
+    loss = (loss_fn or sum_loss)(_call(model, inputs))
+    loss.backward()
+    optim.step()
+    return loss.item()
+
+
+def local_data_parallel_step(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    make_inputs: Callable[[int, int], Any],
+    iteration: int,
+    world_size: int,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> list[float]:
+    """One data-parallel step of ``world_size`` ranks, simulated on one unsharded model.
+
+    The loss is the mean of every rank's loss, so the gradient is the rank average that
+    data parallelism computes. A reference where DDP cannot run, e.g. several ranks
+    sharing one GPU, or one world size continuing another's training. Returns each rank's
+    loss.
+    """
+    loss_fn = loss_fn or sum_loss
+    optim.zero_grad()
+    losses = [loss_fn(_call(model, make_inputs(iteration, r))) for r in range(world_size)]
+    (torch.stack(losses).sum() / world_size).backward()
+    optim.step()
+    return [loss.item() for loss in losses]
+
+
 @contextlib.contextmanager
 def gradient_sync_off(module: nn.Module) -> Iterator[None]:
     """No gradient reduction while open (``set_requires_gradient_sync``); a ``no_sync``

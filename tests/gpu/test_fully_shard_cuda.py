@@ -27,7 +27,12 @@ from reffsdp.per_param.api import AllGather
 from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLPBlocks
 from reffsdp.testing.multithread import FSDPTestMultiThread
-from reffsdp.testing.parity import check_sharded_parity, check_train_parity
+from reffsdp.testing.parity import (
+    check_sharded_parity,
+    check_train_parity,
+    local_data_parallel_step,
+    train_step,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -50,19 +55,11 @@ def reference_step(
     model: nn.Module, optim: torch.optim.Optimizer, iteration: int, world_size: int
 ) -> list[float]:
     """One data-parallel step over ``world_size`` ranks' inputs, on one unsharded model."""
-    optim.zero_grad()
-    losses = [model(make_inputs(iteration, rank)).sum() for rank in range(world_size)]
-    (torch.stack(losses).sum() / world_size).backward()
-    optim.step()
-    return [loss.item() for loss in losses]
+    return local_data_parallel_step(model, optim, make_inputs, iteration, world_size)
 
 
 def sharded_step(model: nn.Module, optim: torch.optim.Optimizer, iteration: int) -> float:
-    optim.zero_grad()
-    loss = model(make_inputs(iteration, dist.get_rank())).sum()
-    loss.backward()
-    optim.step()
-    return loss.item()
+    return train_step(model, optim, make_inputs(iteration, dist.get_rank()))
 
 
 def sgd(params) -> torch.optim.Optimizer:

@@ -37,6 +37,7 @@ from reffsdp import fully_shard
 from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLPBlocks
 from reffsdp.testing.multithread import FSDPTestMultiThread, run_threaded
+from reffsdp.testing.parity import local_data_parallel_step, train_step
 
 pytestmark = pytest.mark.multithread
 
@@ -65,20 +66,12 @@ def shard(model: MLPBlocks, mesh) -> MLPBlocks:
 def reference_step(
     model: nn.Module, optim: torch.optim.Optimizer, iteration: int, world_size: int
 ) -> list[float]:
-    """One data-parallel step over ``world_size`` ranks, on one unsharded model."""
-    optim.zero_grad()
-    losses = [model(make_inputs(iteration, rank)).sum() for rank in range(world_size)]
-    (torch.stack(losses).sum() / world_size).backward()
-    optim.step()
-    return [loss.item() for loss in losses]
+    """One data-parallel step over ``world_size`` ranks' inputs, on one unsharded model."""
+    return local_data_parallel_step(model, optim, make_inputs, iteration, world_size)
 
 
 def sharded_step(model: nn.Module, optim: torch.optim.Optimizer, iteration: int) -> float:
-    optim.zero_grad()
-    loss = model(make_inputs(iteration, dist.get_rank())).sum()
-    loss.backward()
-    optim.step()
-    return loss.item()
+    return train_step(model, optim, make_inputs(iteration, dist.get_rank()))
 
 
 def assert_matches(model: nn.Module, ref: nn.Module) -> None:
