@@ -25,6 +25,8 @@ from .models import (
 from .multiprocess import FSDPTest
 from .multithread import FSDPTestMultiThread, run_threaded
 from .parity import (
+    LowPrecisionCompute,
+    Passthrough,
     broadcast_params_from_rank0,
     check_sharded_parity,
     check_train_parity,
@@ -35,6 +37,8 @@ from .patching import patch_all_gather, patch_all_reduce, patch_broadcast, patch
 
 __all__ = [
     "MLP",
+    "LowPrecisionCompute",
+    "Passthrough",
     "CommCounter",
     "ConvNet",
     "DistributedTestMixin",

@@ -189,6 +189,45 @@ def _check_gradients_not_vacuous(ref_model: nn.Module) -> None:
         )
 
 
+class LowPrecisionCompute(nn.Module):
+    """A fair unsharded reference for mixed-precision FSDP.
+
+    FSDP computes with ``param_dtype`` copies of the parameters and reduces gradients in
+    fp32 while the optimizer steps the fp32 shards. This module does the same without
+    sharding: it runs ``module`` through ``functional_call`` with every parameter and the
+    input cast to ``param_dtype`` (output cast to ``output_dtype`` when given), so autograd
+    returns the low-precision gradient cast to fp32, which DDP then averages in fp32.
+    Pair it with :class:`Passthrough` around the sharded model so parameter names match.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        param_dtype: torch.dtype,
+        output_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.param_dtype = param_dtype
+        self.output_dtype = output_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = {name: p.to(self.param_dtype) for name, p in self.module.named_parameters()}
+        out = torch.func.functional_call(self.module, params, (x.to(self.param_dtype),))
+        return out if self.output_dtype is None else out.to(self.output_dtype)
+
+
+class Passthrough(nn.Module):
+    """Calls ``module``; gives a model the ``module.`` name prefix a reference wrapper has."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
 def train_step(
     model: nn.Module,
     optim: torch.optim.Optimizer,

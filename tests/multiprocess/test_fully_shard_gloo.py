@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.func import functional_call
 from torch.nn.parallel import DistributedDataParallel
 
 from reffsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -23,7 +22,12 @@ from reffsdp.core.comms import ReduceOp
 from reffsdp.testing.inputs import random_inputs, random_tokens
 from reffsdp.testing.models import DoubleLinear, MLPStack, ModelArgs, Transformer
 from reffsdp.testing.multiprocess import FSDPTest
-from reffsdp.testing.parity import broadcast_params_from_rank0, check_train_parity
+from reffsdp.testing.parity import (
+    LowPrecisionCompute,
+    Passthrough,
+    broadcast_params_from_rank0,
+    check_train_parity,
+)
 from reffsdp.testing.patching import patch_reduce_scatter
 
 pytestmark = pytest.mark.multiprocess
@@ -50,28 +54,6 @@ def _shard_blocks(model: nn.Module, blocks, **kwargs) -> None:
 
 def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-class LowPrecisionCompute(nn.Module):
-    """Computes ``module`` with bf16 copies of its parameters and input; DDP then averages
-    the fp32 gradients. The fair reference for ``param_dtype=bf16, reduce_dtype=fp32``."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        params = {name: p.to(torch.bfloat16) for name, p in self.module.named_parameters()}
-        return functional_call(self.module, params, (x.to(torch.bfloat16),))
-
-
-class Passthrough(nn.Module):
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
 
 
 class TestFullyShardGlooTraining(FSDPTest):
@@ -136,7 +118,11 @@ class TestFullyShardGloo(FSDPTest):
             _shard_blocks(model, model, mp_policy=mp_policy)
             # Same casts on both sides, so fp32 tolerances hold (see the threaded twin).
             check_train_parity(
-                self, LowPrecisionCompute(ref_model), Passthrough(model), _vectors(8), num_steps=2
+                self,
+                LowPrecisionCompute(ref_model, torch.bfloat16),
+                Passthrough(model),
+                _vectors(8),
+                num_steps=2,
             )
             return
         if setting == "unused_param":  # lin2 runs on rank 0 only

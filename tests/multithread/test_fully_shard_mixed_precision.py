@@ -2,65 +2,31 @@
 
 [Note: a fair mixed-precision reference]
 FSDP computes with low-precision copies of the parameters and reduces gradients in fp32,
-while the optimizer steps the fp32 shards. The reference does exactly that without sharding:
-:class:`LowPrecisionCompute` runs the fp32 model through ``functional_call`` with every
-parameter cast to ``param_dtype`` and the input cast too, so autograd returns the
-low-precision gradient cast to fp32, which DDP then averages in fp32. The two sides differ
-only in how the fp32 average is formed (DDP divides then sums, FSDP's reduce-scatter
-averages), which over 2 or 4 ranks gives the same bits.
+while the optimizer steps the fp32 shards. The reference, ``LowPrecisionCompute`` from
+``reffsdp.testing.parity``, does exactly that without sharding: it runs the fp32 model
+through ``functional_call`` with every parameter and the input cast to ``param_dtype``, so
+autograd returns the low-precision gradient cast to fp32, which DDP then averages in fp32.
+The two sides differ only in how the fp32 average is formed (DDP divides then sums, FSDP's
+reduce-scatter averages), which over 2 or 4 ranks gives the same bits.
 """
 
 import copy
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.func import functional_call
 
 from reffsdp import MixedPrecisionPolicy, fully_shard
 from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLPStack
 from reffsdp.testing.multithread import FSDPTestMultiThread
-from reffsdp.testing.parity import check_train_parity
+from reffsdp.testing.parity import LowPrecisionCompute, Passthrough, check_train_parity
 
 pytestmark = pytest.mark.multithread
 
 
 def _vectors(dim: int, batch: int = 2):
     return random_inputs(batch, dim)
-
-
-class LowPrecisionCompute(nn.Module):
-    """Computes ``module`` with parameters and input cast to ``param_dtype``.
-
-    The output is cast to ``output_dtype`` when given. See [Note: a fair mixed-precision
-    reference].
-    """
-
-    def __init__(
-        self, module: nn.Module, param_dtype: torch.dtype, output_dtype: torch.dtype | None
-    ) -> None:
-        super().__init__()
-        self.module = module
-        self.param_dtype = param_dtype
-        self.output_dtype = output_dtype
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        params = {name: p.to(self.param_dtype) for name, p in self.module.named_parameters()}
-        out = functional_call(self.module, params, (x.to(self.param_dtype),))
-        return out if self.output_dtype is None else out.to(self.output_dtype)
-
-
-class Passthrough(nn.Module):
-    """Gives the sharded model the reference's ``module.`` prefix."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
 
 
 class TestFullyShardMixedPrecision(FSDPTestMultiThread):

@@ -18,7 +18,7 @@ from reffsdp.core import comms
 from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLP, MLPStack
 from reffsdp.testing.multithread import FSDPTestMultiThread
-from reffsdp.testing.parity import check_train_parity
+from reffsdp.testing.parity import Passthrough, check_train_parity
 from reffsdp.testing.patching import patch_all_gather
 
 pytestmark = pytest.mark.multithread
@@ -68,17 +68,6 @@ class UnshardBeforeForward(nn.Module):
             out = self.module(x)
         self.forward_all_gathers.append(count[0])
         return out
-
-
-class Passthrough(nn.Module):
-    """The reference's twin of :class:`UnshardBeforeForward` (same parameter names)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
 
 
 class Decoder(nn.Module):
