@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# CPU job: install reffsdp with a pinned CPU torch, then run the whole test suite
-# (threaded and multi-process harnesses over gloo). Usage: bash ci/cpu.sh [pytest args]
+# CPU job: README's test command. Builds a brand-new virtual environment (no system
+# site-packages, so a dependency missing from pyproject.toml fails here as it would on a
+# new machine), installs reffsdp as README's first command does, with the pinned CPU
+# torch, and runs the whole suite: unit, threaded and multi-process (gloo) tests plus
+# the doctests in reffsdp/.
+# Usage: bash ci/cpu.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test]"
-python -m pytest -p no:cacheprovider --durations=15 "$@"
+python3 -m venv --clear .venv
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test]"
+exec .venv/bin/python -m pytest -p no:cacheprovider --durations=15 "$@"
