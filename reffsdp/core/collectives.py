@@ -4,11 +4,11 @@
 Launching one collective per parameter wastes latency, so a group's parameters travel
 together. For the all-gather, each rank copies its padded shards into its own slice of one
 flat output buffer (copy-in) and gathers in place; afterwards each parameter's rows are
-split out of the ``(world_size, N)`` result into its own ``gathered`` buffer (copy-out).
+split out of the ``(world_size, N)`` result into its own output buffer (copy-out).
 For the reduce-scatter, every gradient is padded on dim 0 to a multiple of the world size,
 cut into ``world_size`` chunks, and the chunks for rank r of every gradient are laid side
 by side in row r of one input buffer; the reduced row r comes back to rank r, which then
-views each gradient's shard out of it at a running offset.
+hands each member its ``shard_numel`` elements at a running offset.
 
 Two ranks, params ``a`` (3 rows) and ``b`` (2 rows), one element per row::
 
@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 
 from . import comms
+from .member import GroupMember
 from .mesh import MeshInfo
-from .sharded_param import ShardedParam
 from .sharding import pre_post_divide_factors
-from .streams import wait_event_on_current_stream
+from .streams import run_on_stream, wait_event_on_current_stream
 
 # -- all-gather ----------------------------------------------------------------------------
 
@@ -86,22 +86,20 @@ def foreach_all_gather(
     return AllGatherResult(output, numels, world_size, work if async_op else None)
 
 
-def foreach_all_gather_copy_out(result: AllGatherResult, params: list[ShardedParam]) -> None:
-    """Split the gathered ``(world_size, N)`` buffer into each parameter's ``gathered``.
+def foreach_all_gather_copy_out(result: AllGatherResult, members: list[GroupMember]) -> None:
+    """Split the gathered ``(world_size, N)`` buffer into each member's output buffer.
 
-    Row r of ``result`` holds rank r's inputs side by side; each parameter's ``gathered``
-    buffer, viewed with the same number of rows, receives its column block.
+    Row r of ``result`` holds rank r's inputs side by side; each member's output buffer,
+    viewed with the same number of rows, receives its column block.
     """
     result.wait()
-    for param in params:
-        param.alloc_gathered()
-    targets = [param.gathered.data.view(result.world_size, -1) for param in params]
+    targets = [member.all_gather_output().view(result.world_size, -1) for member in members]
     if result.output.dtype == torch.uint8:
         targets = [t.view(torch.uint8) for t in targets]
     rows = result.output.view(result.world_size, -1)
     torch.split_with_sizes_copy(rows, result.input_numels, dim=1, out=targets)
-    for param in params:
-        param.finish_unshard()
+    for member in members:
+        member.finish_unshard()
 
 
 # -- reduce-scatter ------------------------------------------------------------------------
@@ -179,20 +177,30 @@ class PartialReduce:
         return output
 
 
+@dataclass(frozen=True)
+class ReduceSpec:
+    """How one group reduces its gradients in one backward."""
+
+    mesh_info: MeshInfo
+    reduce_dtype: torch.dtype
+    plan: ReducePlan
+    partial: PartialReduce  # HSDP: where outputs wait while the all-reduce is off
+    all_reduce: bool = True  # HSDP / replicate-only: all-reduce now or park in ``partial``
+    hook: Callable[[torch.Tensor], None] | None = None  # on the reduced shard
+    hook_stream: Any = None  # a user stream to run ``hook`` on
+    comm: comms.ReduceScatter | None = None  # a custom reduce-scatter
+    group: dist.ProcessGroup | None = None  # reduce-scatter group; None: the shard group
+
+
 @dataclass
 class PendingReduce:
-    """An in-flight group reduce-scatter; ``complete()`` writes the sharded gradients."""
+    """An in-flight group reduce-scatter; ``complete()`` hands members their gradients."""
 
-    params: list[ShardedParam]
-    input: torch.Tensor  # kept alive until the collective finishes
-    output: torch.Tensor  # 1D, this rank's reduced row
-    plan: ReducePlan
-    mesh_info: MeshInfo
+    members: list[GroupMember]
+    spec: ReduceSpec
+    input: torch.Tensor | None  # kept alive until the collective finishes
+    output: torch.Tensor | None  # 1D, this rank's reduced row
     work: dist.Work | None = None
-    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-    # HSDP or replicate only: whether to all-reduce now, and where to park outputs while not.
-    all_reduce: bool = True
-    partial: PartialReduce | None = None
     completed: bool = field(default=False)
     host_copy_event: Any = None  # CPU offload: gradients still landing on the host
 
@@ -200,94 +208,64 @@ class PendingReduce:
         if self.completed:
             return
         self.completed = True
-        if self.work is not None:
-            self.work.wait()
-        output = self.output
-        if self.mesh_info.has_replicate_group:
-            assert self.partial is not None
-            if not self.all_reduce:
-                self.partial.add(output)
-                self.input = self.output = None  # type: ignore[assignment]
+        self.wait()
+        output, spec = self.output, self.spec
+        self.input = self.output = None
+        assert output is not None
+        if spec.mesh_info.has_replicate_group:
+            if not spec.all_reduce:
+                spec.partial.add(output)
                 return
-            output = self.partial.fold_into(output)
-            comms.all_reduce(output, self.mesh_info.replicate_group, op=self.plan.all_reduce_op)
-        if self.all_reduce_hook is not None:
-            self.all_reduce_hook(output)
-        if self.plan.post_factor is not None:
-            output.div_(self.plan.post_factor)
-        if _write_sharded_grads(self.params, output):
+            output = spec.partial.fold_into(output)
+            comms.all_reduce(output, spec.mesh_info.replicate_group, op=spec.plan.all_reduce_op)
+        if spec.hook is not None:
+            run_on_stream(spec.hook_stream, spec.hook, output)
+        if spec.plan.post_factor is not None:
+            output.div_(spec.plan.post_factor)
+        if _hand_out_grads(self.members, output):
             # Non-blocking device-to-host gradient copies: the final callback waits for this
             # event before anyone (the optimizer, on the CPU) reads the gradients.
             self.host_copy_event = torch.cuda.current_stream().record_event()
-        self.input = self.output = None  # type: ignore[assignment]
+
+    def wait(self) -> None:
+        """Wait for the collective only (used to drop a reduction after an error)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
 
 
-def _write_sharded_grads(params: list[ShardedParam], output: torch.Tensor) -> bool:
-    """View each parameter's local gradient out of the reduced row (see the module note).
+def _hand_out_grads(members: list[GroupMember], output: torch.Tensor) -> bool:
+    """Give each member its chunk of the reduced row (see the module note).
 
     Returns whether any gradient is still being copied to the host.
     """
     in_flight = False
     offset = 0
-    for param in params:
-        layout = param.layout
-        local = output.narrow(0, offset, layout.local_shard_numel).view(layout.local_shard_size)
-        in_flight |= param.accumulate_sharded_grad(local.to(param.orig_dtype))
-        offset += layout.padded_shard_numel
+    for member in members:
+        in_flight |= member.accept_reduced_grad(output.narrow(0, offset, member.shard_numel))
+        offset += member.shard_numel
     return in_flight
 
 
-def _as_dim0_chunks(grad: torch.Tensor, param: ShardedParam) -> torch.Tensor:
-    """Rearrange a gradient sharded on dim d > 0 so chunk r along d is block r along dim 0."""
-    if param.shard_dim == 0:
-        return grad
-    chunks = grad.chunk(param.layout.world_size, dim=param.shard_dim)
-    return torch.cat([chunk.contiguous().view(-1) for chunk in chunks]).view(
-        param.layout.world_size * param.layout.padded_shard_size[0], -1
-    )
-
-
 def foreach_reduce(
-    params: list[ShardedParam],
-    grads: list[torch.Tensor],
-    mesh_info: MeshInfo,
-    reduce_dtype: torch.dtype,
-    plan: ReducePlan,
-    *,
-    async_op: bool,
-    all_reduce_hook: Callable[[torch.Tensor], None] | None = None,
-    all_reduce: bool = True,
-    partial: PartialReduce | None = None,
-    comm: comms.ReduceScatter | None = None,
-    group: dist.ProcessGroup | None = None,
+    members: list[GroupMember], grads: list[torch.Tensor], spec: ReduceSpec
 ) -> PendingReduce:
     """Reduce-scatter all ``grads`` in one collective (see [Note: one collective per group])."""
-    world_size = mesh_info.shard_size
-    grads = [_as_dim0_chunks(g, p) for g, p in zip(grads, params)]
-    shard_numel = sum(p.layout.padded_shard_numel for p in params)
-    comm = comm or comms.DefaultReduceScatter()
+    world_size = spec.mesh_info.shard_size
+    shard_numel = sum(m.shard_numel for m in members)
+    comm = spec.comm or comms.DefaultReduceScatter()
     rs_input = comm.allocate(
-        (world_size * shard_numel,), dtype=reduce_dtype, device=grads[0].device
+        (world_size * shard_numel,), dtype=spec.reduce_dtype, device=grads[0].device
     )
     torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=rs_input.view(world_size, -1))
+    plan = spec.plan
     if plan.pre_factor is not None:
         rs_input.div_(plan.pre_factor)
     if world_size == 1:
         # One rank: the reduction is the identity (AVG and SUM alike) up to a premultiply.
         output = rs_input if plan.premul_factor is None else rs_input.mul_(plan.premul_factor)
-        work = None
-    else:
-        output = rs_input.new_empty(shard_numel)
-        group = group if group is not None else mesh_info.shard_group
-        work = comm(output, rs_input, group, plan.reduce_scatter_op, async_op=async_op)
-    return PendingReduce(
-        params,
-        rs_input,
-        output,
-        plan,
-        mesh_info,
-        work if async_op else None,
-        all_reduce_hook,
-        all_reduce,
-        partial,
-    )
+        return PendingReduce(members, spec, input=rs_input, output=output)
+    output = rs_input.new_empty(shard_numel)
+    group = spec.group if spec.group is not None else spec.mesh_info.shard_group
+    work = comm(output, rs_input, group, plan.reduce_scatter_op, async_op=True)
+    return PendingReduce(members, spec, input=rs_input, output=output, work=work)

@@ -1,280 +1,304 @@
 """A parameter group: the unit that is all-gathered and reduce-scattered together.
 
+A group holds a list of members (see [Note: group members] in ``member``) and moves them
+between their sharded and unsharded forms. Front ends decide *when* (hooks, prefetching);
+the group decides *how*.
+
 [Note: mixed precision]
-At lazy init each parameter resolves its dtypes: ``param_dtype`` is dropped when it equals
-the parameter's own dtype (or the parameter is not floating point) and ``reduce_dtype`` is
-dropped when it equals the compute dtype. All-gathers run in the compute dtype (the cast
-happens during copy-in), so the optimizer only ever sees the original-dtype shards.
-Reductions run in ``reduce_dtype`` (or the gradient dtype) and the result is cast back to
-the original dtype. Trainable parameters of one group must agree on both dtypes, since
-they travel in one collective.
+At lazy init each member resolves its dtypes: ``param_dtype`` is dropped when it equals
+the member's own dtype (or the member is not floating point) and ``reduce_dtype`` is
+dropped when it equals the compute dtype. The all-gather input is the shard cast to the
+compute dtype (a new tensor, made before copy-in), so the optimizer only ever sees the
+original-dtype shards. Reductions run in ``reduce_dtype`` (or the gradient dtype) and each
+member casts its reduced chunk back to the original dtype. Trainable members of one group
+must agree on both dtypes, since they travel in one collective.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from . import collectives, comms
-from .collectives import AllGatherResult
+from .collectives import AllGatherResult, ReduceSpec
+from .member import GroupMember
 from .mesh import MeshInfo
 from .runtime import CommContext
-from .sharded_param import ShardedParam
-from .states import ShardedState, TrainingState, check_state
+from .states import ShardedState, TrainingState, check_transition
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """Everything a user or front end may change about how a group behaves."""
+
+    reshard_after_forward: bool = True
+    reshard_after_backward: bool = True
+    reduce_grads: bool = True  # reduce-scatter (and all-reduce) in this backward
+    all_reduce_grads: bool = True  # HSDP: all-reduce across replicas in this backward
+    unshard_in_backward: bool = True
+    # Issue forward/backward all-gathers on the current stream instead of the side stream.
+    unshard_async_op: bool = False
+    gradient_divide_factor: float | None = None
+    force_sum_reduction: bool = False
+    reduce_scatter_unused_params: bool = False
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    all_reduce_hook_stream: Any = None
+    all_gather_comm: comms.AllGather | None = None
+    reduce_scatter_comm: comms.ReduceScatter | None = None
+    reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
+    max_pending_reduces: int = 1  # see [Note: bounded in-flight reductions]
 
 
 class ParamGroup:
-    """Unshards, reshards and reduces a list of :class:`ShardedParam` as one unit."""
+    """Unshards, reshards and reduces a list of members as one unit."""
 
     def __init__(
         self,
-        params: list[ShardedParam],
-        modules: tuple[nn.Module, ...],
+        members: list[GroupMember],
+        name: str,
         mesh_info: MeshInfo,
         device: torch.device,
         *,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
-        reshard_after_forward: bool = True,
+        settings: GroupSettings = GroupSettings(),  # noqa: B008 (frozen)
         post_forward_mesh_info: MeshInfo | None = None,
     ) -> None:
-        self.params = params
-        self.modules = modules
+        self.members = members
+        self.name = name  # for messages, given by the front end
         self.mesh_info = mesh_info
         self.device = device
+        self.settings = settings
         self._mp_dtypes = (param_dtype, reduce_dtype)
-        self.reshard_after_forward = reshard_after_forward
         # reshard_after_forward=k: a mesh whose shard dim groups k ranks (see unshard()).
         self.post_forward_mesh_info = post_forward_mesh_info
-        self.comm_ctx = CommContext()
-        self.training_state = TrainingState.IDLE
+        self.comm_ctx: CommContext | None = None  # bound by the root (see bind())
+        self._training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: AllGatherResult | None = None
-        self._post_forward_indices: list[int] = []
         self._partial_reduce = collectives.PartialReduce()
         self._initialized = False
-        # Knobs set through FSDPModule methods.
-        self.reduce_grads = True
-        self.all_reduce_grads = True
-        self.unshard_async_op = False
-        self.reshard_after_backward = True
-        self.unshard_in_backward = True
-        self.gradient_divide_factor: float | None = None
-        self.force_sum_reduction = False
-        self.reduce_scatter_unused_params = False
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        self.all_gather_comm: comms.AllGather | None = None
-        self.reduce_scatter_comm: comms.ReduceScatter | None = None
-        self.reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
 
     def __repr__(self) -> str:
-        names = ", ".join(type(m).__name__ for m in self.modules)
-        return f"ParamGroup({names}, rank {self.mesh_info.mesh.get_rank()})"
+        return f"{self.name} on rank {self.mesh_info.mesh.get_rank()}"
 
-    # -- lazy init ----------------------------------------------------------------------
+    def configure(self, **changes: Any) -> None:
+        """Change settings by field name (``TypeError`` for a name that is no setting)."""
+        self.settings = dataclasses.replace(self.settings, **changes)
 
-    def lazy_init(self) -> None:
-        """Once, at the first forward: re-pad shards and resolve mixed precision."""
-        if self._initialized:
-            return
-        self._initialized = True
-        for param in self.params:
-            param.reset_sharded_param()
-        meta = [p.fqn for p in self.params if p.padded_shard.device.type == "meta"]
-        if meta:
-            raise RuntimeError(
-                f"fully_shard parameters are still on the meta device at the first forward: "
-                f"{meta}. Materialize them first, e.g. module.to_empty(device=...) followed "
-                "by reset_parameters()."
-            )
-        for param in self.params:
-            param.init_dtypes(*self._mp_dtypes)
-        trainable = [p for p in self.params if p.requires_grad]
-        for attr in ("orig_dtype", "reduce_dtype"):
-            values = {getattr(p, attr) for p in trainable}
-            if len(values) > 1:
-                raise AssertionError(
-                    f"trainable parameters of one fully_shard group must share {attr}, got "
-                    f"{sorted(map(str, values))}; shard them in separate fully_shard calls"
-                )
+    def bind(self, comm_ctx: CommContext) -> None:
+        """Use the root's communication context (streams, in-flight reductions)."""
+        self.comm_ctx = comm_ctx
 
-    # -- unshard / reshard --------------------------------------------------------------
+    @property
+    def training_state(self) -> TrainingState:
+        return self._training_state
 
-    def unshard(self, async_op: bool = True) -> None:
-        """Start the group's all-gather unless it is unsharded or already gathering."""
-        if self._all_gather is not None or self.sharded_state is ShardedState.UNSHARDED:
-            return
-        self.lazy_init()
-        stream = self.comm_ctx.all_gather_stream(self.device)
-        mesh_info = self.mesh_info
-        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
-            mesh_info = self.post_forward_mesh_info
-            assert mesh_info is not None
-            stream.wait_for_compute()  # the post-forward shards were cloned there
-        with stream.issuing():
-            if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
-                inputs = [p.post_forward_all_gather_input() for p in self.params]
-            else:
-                inputs = [p.all_gather_input() for p in self.params]
-            self._all_gather = collectives.foreach_all_gather(
-                inputs,
-                mesh_info.shard_group,
-                mesh_info.shard_size,
-                mesh_info.shard_rank,
-                async_op=async_op,
-                comm=self.all_gather_comm,
-            )
-            self._all_gather.event = stream.record()
-
-    def wait_for_unshard(self) -> None:
-        """Finish a started all-gather and register the unsharded parameters."""
-        if self._all_gather is None:
-            return
-        result, self._all_gather = self._all_gather, None
-        collectives.foreach_all_gather_copy_out(result, self.params)
-        self.comm_ctx.all_gather_stream(self.device).consumed(result.output)
-        for param in self.params:
-            param.to_unsharded()
-        self.sharded_state = ShardedState.UNSHARDED
-
-    def reshard(self) -> None:
-        """Register the sharded parameters and free the unsharded storage."""
-        if self._all_gather is not None:  # an unconsumed prefetch
-            self._all_gather.wait()
-            self._all_gather = None
-        if self.sharded_state is ShardedState.SHARDED:
-            return
-        for param in self.params:
-            param.to_sharded()
-        self.sharded_state = ShardedState.SHARDED
-
-    def _reshard_post_forward(self) -> None:
-        if self.sharded_state is not ShardedState.UNSHARDED:
-            return
-        info = self.post_forward_mesh_info
-        assert info is not None
-        for param in self.params:
-            param.to_sharded_post_forward(info.shard_rank, info.shard_size)
-        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+    def _transition(self, new: TrainingState) -> None:
+        """The one place a group's training state changes."""
+        check_transition(self._training_state, new, owner=repr(self))
+        self._training_state = new
 
     @property
     def is_unsharded(self) -> bool:
         return self.sharded_state is ShardedState.UNSHARDED
 
+    # -- lazy init ----------------------------------------------------------------------
+
+    def lazy_init(self) -> None:
+        """Once, before the first all-gather: re-sync shards and resolve mixed precision."""
+        if self._initialized:
+            return
+        assert self.comm_ctx is not None, f"{self!r}: lazy_init() before bind()"
+        for member in self.members:
+            member.lazy_init(*self._mp_dtypes)
+        meta = [m.fqn for m in self.members if not m.is_materialized]
+        if meta:
+            raise RuntimeError(
+                f"{self.name}: parameters are still on the meta device at the first "
+                f"forward: {meta}. Materialize them first, e.g. module.to_empty(device=...) "
+                "followed by reset_parameters()."
+            )
+        trainable = [m for m in self.members if m.requires_grad]
+        for attr in ("orig_dtype", "reduce_dtype"):
+            values = {getattr(m, attr) for m in trainable}
+            if len(values) > 1:
+                raise AssertionError(
+                    f"{self.name}: trainable parameters of one group must share {attr}, "
+                    f"got {sorted(map(str, values))}; put them in separate groups"
+                )
+        self._initialized = True
+
+    # -- unshard / reshard --------------------------------------------------------------
+
+    def unshard(self) -> None:
+        """Start the group's all-gather unless it is unsharded or already gathering."""
+        if self._all_gather is not None or self.is_unsharded:
+            return
+        self.lazy_init()
+        assert self.comm_ctx is not None
+        post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
+        mesh_info = self.post_forward_mesh_info if post_forward else self.mesh_info
+        assert mesh_info is not None
+        stream = self.comm_ctx.all_gather_stream(self.device)
+        if post_forward:
+            stream.wait_for_compute()  # the post-forward blocks were cloned there
+        with stream.issuing(current=self.settings.unshard_async_op):
+            if post_forward:
+                inputs = [m.post_forward_all_gather_input() for m in self.members]
+            else:
+                inputs = [m.all_gather_input() for m in self.members]
+            self._all_gather = collectives.foreach_all_gather(
+                inputs,
+                mesh_info.shard_group,
+                mesh_info.shard_size,
+                mesh_info.shard_rank,
+                async_op=True,
+                comm=self.settings.all_gather_comm,
+            )
+            self._all_gather.event = stream.record()
+
+    def wait_for_unshard(self) -> None:
+        """Finish a started all-gather and show the unsharded parameters."""
+        if self._all_gather is None:
+            return
+        result, self._all_gather = self._all_gather, None
+        collectives.foreach_all_gather_copy_out(result, self.members)
+        assert self.comm_ctx is not None
+        self.comm_ctx.all_gather_stream(self.device).consumed(result.output)
+        for member in self.members:
+            member.to_unsharded()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Show the sharded parameters and free the unsharded storage."""
+        self._drop_unconsumed_all_gather()
+        if self.sharded_state is ShardedState.SHARDED:
+            return
+        for member in self.members:
+            member.to_sharded()
+        self.sharded_state = ShardedState.SHARDED
+
+    def _reshard_post_forward(self) -> None:
+        if not self.is_unsharded:
+            return
+        info = self.post_forward_mesh_info
+        assert info is not None
+        for member in self.members:
+            member.to_sharded_post_forward(info.shard_rank, info.shard_size)
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+
+    def _drop_unconsumed_all_gather(self) -> None:
+        if self._all_gather is not None:  # a prefetch nobody waited for
+            self._all_gather.wait()
+            self._all_gather = None
+
     # -- forward ------------------------------------------------------------------------
 
     def pre_forward(self) -> None:
-        check_state(
-            self.training_state,
-            (TrainingState.IDLE, TrainingState.FORWARD),
-            action="start forward",
-            owner=repr(self),
-        )
-        self.training_state = TrainingState.FORWARD
+        self._transition(TrainingState.FORWARD)
         self.unshard()
         self.wait_for_unshard()
 
-    def post_forward(self) -> None:
-        if self.reshard_after_forward and self.post_forward_mesh_info is not None:
-            self._reshard_post_forward()
-        elif self.reshard_after_forward:
-            self.reshard()
-        self._post_forward_indices.append(len(self.comm_ctx.post_forward_order))
-        self.comm_ctx.post_forward_order.append(self)
-        self.training_state = TrainingState.IDLE
+    def post_forward(self, *, backward_follows: bool = True) -> None:
+        """Reshard per the settings; without a backward to come, always fully."""
+        if self.settings.reshard_after_forward:
+            if self.post_forward_mesh_info is not None and backward_follows:
+                self._reshard_post_forward()
+            else:
+                self.reshard()
+        self._transition(TrainingState.IDLE)
 
     # -- backward -----------------------------------------------------------------------
 
-    def pre_backward(self, default_prefetch: bool) -> None:
-        if self.training_state is TrainingState.PRE_BACKWARD:
+    def pre_backward(self) -> None:
+        """Make the parameters available for backward (no-op if already done this pass)."""
+        if self._training_state is TrainingState.PRE_BACKWARD:
             return
-        self.training_state = TrainingState.PRE_BACKWARD
-        if self.unshard_in_backward:
+        self._transition(TrainingState.PRE_BACKWARD)
+        if self.settings.unshard_in_backward:
             self.unshard()
             self.wait_for_unshard()
-        if default_prefetch:
-            self._prefetch_previous()
-
-    def _prefetch_previous(self) -> None:
-        """Start the all-gather of the group whose forward ran just before ours."""
-        if not self._post_forward_indices:
-            return
-        index = self._post_forward_indices.pop()
-        if index > 0:
-            target = self.comm_ctx.post_forward_order[index - 1]
-            if target.unshard_in_backward:
-                target.unshard()
 
     def post_backward(self) -> None:
-        """Reduce-scatter this iteration's gradients (or keep them, with sync off)."""
-        self.training_state = TrainingState.POST_BACKWARD
-        if not self.reduce_grads:
-            for param in self.params:
-                param.accumulate_unsharded_grad()
-            if self.reshard_after_backward:
+        """Reduce this backward's gradients (or keep them, with gradient sync off)."""
+        self._transition(TrainingState.POST_BACKWARD)
+        settings = self.settings
+        if not settings.reduce_grads:
+            for member in self.members:
+                member.keep_unsharded_grad()
+            if settings.reshard_after_backward:
                 self.reshard()
             return
-        params, grads = self._collect_grads()
-        if self.reshard_after_backward:
+        members, grads = [], []
+        for member in self.members:
+            grad = member.take_grad_for_reduce(
+                settings.reduce_scatter_unused_params and member.requires_grad
+            )
+            if grad is not None:
+                members.append(member)
+                grads.append(grad)
+        if settings.reshard_after_backward:
             self.reshard()
-        if not params:
-            return
-        reduce_dtype = params[0].reduce_dtype or grads[0].dtype
+        if members:
+            assert self.comm_ctx is not None
+            self.comm_ctx.add_pending_reduce(
+                collectives.foreach_reduce(members, grads, self._reduce_spec(members, grads)),
+                settings.max_pending_reduces,
+            )
+
+    def _reduce_spec(self, members: list[GroupMember], grads: list[torch.Tensor]) -> ReduceSpec:
+        reduce_dtype = members[0].reduce_dtype or grads[0].dtype
         dtypes = {g.dtype for g in grads}
-        if len(dtypes) > 1 and params[0].reduce_dtype is None:
+        if len(dtypes) > 1 and members[0].reduce_dtype is None:
             raise AssertionError(
                 f"{self!r}: gradients of one reduction must share a dtype, got "
                 f"{sorted(map(str, dtypes))}"
             )
+        settings = self.settings
         plan = collectives.plan_reduction(
             self.mesh_info,
             reduce_dtype,
-            divide_factor=self.gradient_divide_factor,
-            force_sum=self.force_sum_reduction,
+            divide_factor=settings.gradient_divide_factor,
+            force_sum=settings.force_sum_reduction,
         )
-        pending = collectives.foreach_reduce(
-            params,
-            grads,
-            self.mesh_info,
-            reduce_dtype,
-            plan,
-            async_op=True,
-            all_reduce_hook=self.all_reduce_hook,
-            all_reduce=self.all_reduce_grads,
+        return ReduceSpec(
+            mesh_info=self.mesh_info,
+            reduce_dtype=reduce_dtype,
+            plan=plan,
             partial=self._partial_reduce,
-            comm=self.reduce_scatter_comm,
-            group=self.reduce_scatter_group,
+            all_reduce=settings.all_reduce_grads,
+            hook=settings.all_reduce_hook,
+            hook_stream=settings.all_reduce_hook_stream,
+            comm=settings.reduce_scatter_comm,
+            group=settings.reduce_scatter_group,
         )
-        self.comm_ctx.add_pending_reduce(pending)
 
-    def _collect_grads(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
-        params, grads = [], []
-        for param in self.params:
-            grad = param.take_unsharded_grad()
-            if grad is None and self.reduce_scatter_unused_params and param.requires_grad:
-                grad = torch.zeros(
-                    param.layout.global_size, dtype=param.compute_dtype, device=self.device
-                )
-            if grad is not None:
-                params.append(param)
-                grads.append(grad)
-        return params, grads
+    def end_backward(self) -> None:
+        """In the final callback: reduce if backward used us but never left us, then idle.
+
+        A group whose inputs need no gradient never sees its post-backward hook (e.g. the
+        first block, or the root), yet its parameters got gradients.
+        """
+        if self._training_state is TrainingState.PRE_BACKWARD or (
+            self._training_state is TrainingState.IDLE and self.is_unsharded
+        ):
+            self.post_backward()
+        self._transition(TrainingState.IDLE)
 
     def finalize_backward(self) -> None:
-        """End of the last backward: drop unconsumed prefetches and forward bookkeeping."""
-        if self._all_gather is not None:
-            self._all_gather.wait()
-            self._all_gather = None
-        self._post_forward_indices.clear()
+        """End of the last backward: drop a prefetch that was never consumed."""
+        self._drop_unconsumed_all_gather()
 
     def reset(self) -> None:
         """After an exception mid-iteration: back to sharded, idle, with no partial grads."""
         self.reshard()
-        for param in self.params:
-            param.discard_grads()
+        for member in self.members:
+            member.discard_grads()
         self._partial_reduce = collectives.PartialReduce()
-        self._post_forward_indices.clear()
-        self.training_state = TrainingState.IDLE
+        self._transition(TrainingState.IDLE)

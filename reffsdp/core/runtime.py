@@ -4,8 +4,12 @@
 Reduce-scatters are issued asynchronously so communication overlaps the rest of backward
 (on CPU too: gloo runs collectives on its own threads). Each in-flight reduction keeps its
 input buffer alive, so we bound how many are pending: issuing a new one first completes
-the oldest beyond ``max_pending_reduces``. Whatever is still pending when backward ends is
-completed in the final callback, before anyone reads a gradient.
+the oldest beyond the issuing group's ``max_pending_reduces`` setting. Whatever is still
+pending when backward ends is completed in the final callback, before anyone reads a
+gradient.
+
+One :class:`CommContext` serves every group under a root: the front end's root creates it
+once and binds each group to it (``ParamGroup.bind``).
 """
 
 from __future__ import annotations
@@ -20,18 +24,13 @@ from .streams import AllGatherStream
 
 if TYPE_CHECKING:
     from .collectives import PendingReduce
-    from .param_group import ParamGroup
 
 
 @dataclass
 class CommContext:
-    """State shared by every group under one root for the current iteration."""
+    """Streams and in-flight collectives shared by every group under one root."""
 
-    # Groups in the order their post-forward ran this iteration (with repeats); backward
-    # prefetches walk it in reverse.
-    post_forward_order: list[ParamGroup] = field(default_factory=list)
     pending_reduces: deque[PendingReduce] = field(default_factory=deque)
-    max_pending_reduces: int = 1
     _all_gather_stream: AllGatherStream | None = None
     _host_copy_events: list[Any] = field(default_factory=list)
 
@@ -42,9 +41,9 @@ class CommContext:
             self._all_gather_stream = AllGatherStream(device)
         return self._all_gather_stream
 
-    def add_pending_reduce(self, pending: PendingReduce) -> None:
+    def add_pending_reduce(self, pending: PendingReduce, max_pending: int) -> None:
         self.pending_reduces.append(pending)
-        while len(self.pending_reduces) > self.max_pending_reduces:
+        while len(self.pending_reduces) > max_pending:
             self._complete_oldest()
 
     def complete_reduces(self) -> None:
@@ -64,6 +63,4 @@ class CommContext:
     def discard_reduces(self) -> None:
         """Wait for in-flight reductions but write no gradients (used after an error)."""
         while self.pending_reduces:
-            pending = self.pending_reduces.popleft()
-            if pending.work is not None:
-                pending.work.wait()
+            self.pending_reduces.popleft().wait()

@@ -11,8 +11,10 @@ For each original parameter we keep:
   size. This is what ``module.parameters()`` and ``state_dict()`` show between iterations.
 * ``gathered`` (1D, ``world_size * padded_shard_numel``, compute dtype): the all-gather's
   destination. Allocated on first unshard; afterwards its *storage* is freed
-  (``resize_(0)``) on reshard and re-grown on unshard. The tensor object never changes, so
-  tensors autograd saved in forward still point at it when backward re-gathers.
+  (``resize_(0)``) on reshard and re-grown on unshard. The tensor object stays the same
+  from one unshard to the next (it is replaced only when the compute dtype or the shard
+  storage changes: ``reset_sharded_param``), so tensors autograd saved in forward still
+  point at it when backward re-gathers.
 * ``unsharded_param``: an ``nn.Parameter`` viewing ``gathered`` (dim 0 sharding; for other
   dims, a separate buffer the rank blocks are concatenated into). Built once.
 
@@ -28,6 +30,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+
+# DTensorSpec/TensorMeta: the only way to wrap a host shard on an accelerator mesh (see
+# ``ShardedParam._to_dtensor``).
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .mesh import MeshInfo, TensorParallelSpec, sharded_spec
 from .sharding import ShardLayout, contiguous_strides, shard_tensor, unshard_from_gathered
@@ -47,8 +53,9 @@ class ParamRef:
 
 
 def _local_tensor(dtensor: DTensor) -> torch.Tensor:
-    """The local tensor of a DTensor, without autograd involvement."""
-    return dtensor._local_tensor
+    """The local tensor of a DTensor itself (not an autograd view of it)."""
+    with torch.no_grad():
+        return dtensor.to_local()
 
 
 def _set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
@@ -148,6 +155,15 @@ class ShardedParam:
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a local shard (of the parameter or its gradient) with the sharded spec."""
+        if local.device.type not in (self.spec_mesh.device_type, "meta"):
+            # CPU offload on an accelerator mesh: ``DTensor.from_local`` would move the
+            # shard to the mesh's device, and no public constructor keeps it on the host.
+            spec = DTensorSpec(
+                self.spec_mesh,
+                tuple(self.spec_placements),
+                TensorMeta(self.global_size, contiguous_strides(self.global_size), local.dtype),
+            )
+            return DTensor(local, spec, requires_grad=False)
         return DTensor.from_local(
             local,
             self.spec_mesh,
@@ -204,15 +220,24 @@ class ShardedParam:
         host = tensor.to("cpu")
         return host.pin_memory() if self.pin_memory else host
 
-    def init_dtypes(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
-        """Resolve mixed precision for this parameter (see the module docstring of
-        ``param_group``): drop casts that would be no-ops."""
+    def lazy_init(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
+        """Re-pad the shard if something replaced it, then resolve mixed precision (see
+        [Note: mixed precision] in ``param_group``): drop casts that would be no-ops."""
+        self.reset_sharded_param()
         self.orig_dtype = self.padded_shard.dtype
         if param_dtype == self.orig_dtype or not self.orig_dtype.is_floating_point:
             param_dtype = None
         if reduce_dtype == (param_dtype or self.orig_dtype):
             reduce_dtype = None
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+
+    @property
+    def is_materialized(self) -> bool:
+        return self.padded_shard.device.type != "meta"
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.padded_shard_numel
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -242,17 +267,18 @@ class ShardedParam:
             shard = shard.to(self.device, non_blocking=True)
         return shard.to(self.compute_dtype)
 
-    def alloc_gathered(self) -> None:
-        """Make sure ``gathered`` has storage to receive an all-gather."""
+    def all_gather_output(self) -> torch.Tensor:
+        """``gathered`` with storage to receive an all-gather (as an untracked alias)."""
         numel = self.layout.world_size * self.layout.padded_shard_numel
         if self.gathered is None or self.gathered.dtype != self.compute_dtype:
             self.gathered = torch.empty(numel, dtype=self.compute_dtype, device=self.device)
             self.unsharded_param = None
-            return
-        storage = self.gathered.untyped_storage()
-        nbytes = numel * self.gathered.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
+        else:
+            storage = self.gathered.untyped_storage()
+            nbytes = numel * self.gathered.element_size()
+            if storage.size() != nbytes:
+                storage.resize_(nbytes)
+        return self.gathered.data
 
     def keep_post_forward_shard(self, rank: int, world_size: int) -> None:
         """Keep this rank's ``1/world_size`` of ``gathered`` for a cheaper backward all-gather.
@@ -336,7 +362,22 @@ class ShardedParam:
 
     # -- gradients ----------------------------------------------------------------------
 
-    def take_unsharded_grad(self) -> torch.Tensor | None:
+    def take_grad_for_reduce(self, zeros_if_unused: bool) -> torch.Tensor | None:
+        """Pop this backward's gradient, laid out so dim 0 splits into the rank chunks."""
+        grad = self._take_unsharded_grad()
+        if grad is None and zeros_if_unused:
+            size, dtype = self.layout.global_size, self.compute_dtype
+            grad = torch.zeros(size, dtype=dtype, device=self.device)
+        if grad is None or self.shard_dim == 0:
+            return grad
+        # Sharded on dim d > 0: chunk r along d becomes block r along dim 0.
+        world_size = self.layout.world_size
+        chunks = grad.chunk(world_size, dim=self.shard_dim)
+        return torch.cat([chunk.contiguous().view(-1) for chunk in chunks]).view(
+            world_size * self.layout.padded_shard_size[0], -1
+        )
+
+    def _take_unsharded_grad(self) -> torch.Tensor | None:
         """Pop this iteration's unsharded gradient (plus any accumulated with sync off)."""
         grad = None
         if self.unsharded_param is not None and self.unsharded_param.grad is not None:
@@ -349,7 +390,7 @@ class ShardedParam:
             self.unsharded_accumulated_grad = None
         return grad
 
-    def accumulate_unsharded_grad(self) -> None:
+    def keep_unsharded_grad(self) -> None:
         """With gradient sync off: keep this backward's gradient for a later synced one."""
         if self.unsharded_param is None or self.unsharded_param.grad is None:
             return
@@ -377,14 +418,19 @@ class ShardedParam:
             placements = self.mesh_info.spmd.grad_placements(tuple(grad.placements), placements)
         return grad.redistribute(self.tp_spec.mesh, placements).to_local()
 
-    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> bool:
-        """Add a reduced local gradient into the sharded parameter's DTensor ``.grad``.
+    def accept_reduced_grad(self, shard: torch.Tensor) -> bool:
+        """Add this rank's reduced chunk into the sharded parameter's DTensor ``.grad``.
+
+        ``shard`` is the padded shard's worth of elements; the padding rows are dropped.
 
         Returns whether a non-blocking device-to-host copy is still in flight (CPU offload
         with pinned memory): the caller must synchronize before the optimizer reads it. The
         copy may only stay in flight when nothing on the CPU reads the gradient now: no
         existing gradient to add to, no hook to run.
         """
+        layout = self.layout
+        local_grad = shard.narrow(0, 0, layout.local_shard_numel).view(layout.local_shard_size)
+        local_grad = local_grad.to(self.orig_dtype)
         param = self.sharded_param
         # Reduced gradients bypass AccumulateGrad, so we run the hooks it would have run
         # (e.g. an optimizer stepping inside backward).

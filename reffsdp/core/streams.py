@@ -28,7 +28,7 @@ is a no-op; the code path is the same.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -44,9 +44,10 @@ class AllGatherStream:
         self._deferred: tuple[Any, Any] | None = None  # (buffer kept alive, copy-out event)
 
     @contextlib.contextmanager
-    def issuing(self) -> Iterator[None]:
-        """Run the enclosed copy-in and collective on the side stream (rule 3 applied)."""
-        if self.stream is None:
+    def issuing(self, current: bool = False) -> Iterator[None]:
+        """Run the enclosed copy-in and collective on the side stream (rule 3 applied), or
+        on the current stream when ``current`` is set."""
+        if self.stream is None or current:
             yield
             return
         if self._deferred is not None:
@@ -79,3 +80,16 @@ def wait_event_on_current_stream(event: Any) -> None:
     """Rule 2: the compute stream waits for ``event`` (no-op for ``None``)."""
     if event is not None:
         torch.cuda.current_stream().wait_event(event)
+
+
+def run_on_stream(stream: Any, fn: Callable[[torch.Tensor], None], tensor: torch.Tensor) -> None:
+    """Call ``fn(tensor)`` on ``stream`` (ordered after the current stream's work, and the
+    current stream then waits for it); ``None`` or a CPU stream calls it inline."""
+    if stream is None or not isinstance(stream, torch.cuda.Stream):
+        fn(tensor)
+        return
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        fn(tensor)
+    current.wait_stream(stream)

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from ..core.mesh import MeshInfo, default_mesh, device_for, mesh_info_for, spmd_mesh_info
-from ..core.param_group import ParamGroup
+from ..core.param_group import GroupSettings, ParamGroup
 from ..core.sharded_param import ShardedParam, unique_params
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .module import FSDPModule
@@ -75,12 +75,12 @@ def fully_shard(
     if sharded:
         group = ParamGroup(
             sharded,
-            modules,
+            f"fully_shard group of {', '.join(type(m).__name__ for m in modules)}",
             mesh_info,
             device,
             param_dtype=mp_policy.param_dtype,
             reduce_dtype=mp_policy.reduce_dtype,
-            reshard_after_forward=reshard,
+            settings=GroupSettings(reshard_after_forward=reshard),
             post_forward_mesh_info=post_forward_mesh_info,
         )
     FSDPState(modules, group, device, mp_policy, auto_reshard_root=reshard_after_forward is None)

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..core import comms
 from ..core.param_group import ParamGroup
+from ..core.runtime import CommContext
 from .state import FSDPState, state_of
 
 
@@ -62,11 +63,11 @@ class FSDPModule:
             return [self]
         return [m for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
 
-    def _set_on_groups(self, recurse: bool, **attrs: Any) -> None:
+    def _configure(self, recurse: bool, **changes: Any) -> None:
+        """Change group settings (``GroupSettings`` fields) here, or in every submodule."""
         for module in self._fsdp_modules(recurse):
             for group in module._groups():
-                for name, value in attrs.items():
-                    setattr(group, name, value)
+                group.configure(**changes)
 
     # -- unshard / reshard --------------------------------------------------------------
 
@@ -74,6 +75,10 @@ class FSDPModule:
         """All-gather this module's parameters now (in ``param_dtype``)."""
         groups = self._groups()
         for group in groups:
+            if group.comm_ctx is None:
+                # Before the first forward there is no root yet: the group gathers on a
+                # context of its own, which the root's lazy init replaces.
+                group.bind(CommContext())
             group.lazy_init()
             # Called outside forward: parameters may have just been updated.
             group.comm_ctx.all_gather_stream(group.device).wait_for_compute()
@@ -99,7 +104,7 @@ class FSDPModule:
         self.reshard()
         result = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
         for group in self._groups():
-            for param in group.params:
+            for param in group.members:
                 param.reset_sharded_param()
         return result
 
@@ -110,37 +115,37 @@ class FSDPModule:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """Turn reduce-scatter (and HSDP all-reduce) on or off, e.g. for microbatches."""
-        self._set_on_groups(
+        self._configure(
             recurse, reduce_grads=requires_gradient_sync, all_reduce_grads=requires_gradient_sync
         )
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
         """HSDP: reduce-scatter but skip the all-reduce across replicas while off."""
-        self._set_on_groups(recurse, all_reduce_grads=requires_all_reduce)
+        self._configure(recurse, all_reduce_grads=requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(
                 f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}"
             )
-        self._set_on_groups(recurse, reshard_after_forward=reshard_after_forward)
+        self._configure(recurse, reshard_after_forward=reshard_after_forward)
         for module in self._fsdp_modules(recurse):
             module._get_fsdp_state().auto_reshard_root = False
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
-        self._set_on_groups(recurse, reshard_after_backward=reshard_after_backward)
+        self._configure(recurse, reshard_after_backward=reshard_after_backward)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        self._set_on_groups(False, unshard_in_backward=unshard_in_backward)
+        self._configure(False, unshard_in_backward=unshard_in_backward)
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
-        self._set_on_groups(recurse, reduce_scatter_unused_params=reduce_scatter_unused_params)
+        self._configure(recurse, reduce_scatter_unused_params=reduce_scatter_unused_params)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel size."""
-        self._set_on_groups(False, gradient_divide_factor=factor)
+        self._configure(False, gradient_divide_factor=factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         warnings.warn(
@@ -152,7 +157,7 @@ class FSDPModule:
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Use only SUM collectives and divide separately (for backends without AVG)."""
-        self._set_on_groups(False, force_sum_reduction=enable)
+        self._configure(False, force_sum_reduction=enable)
 
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
@@ -161,7 +166,7 @@ class FSDPModule:
         groups = self._groups()
         if stream is not None and any(g.mesh_info.is_hsdp for g in groups):
             raise ValueError("set_all_reduce_hook: a stream cannot be given with native HSDP")
-        self._set_on_groups(False, all_reduce_hook=hook)
+        self._configure(False, all_reduce_hook=hook, all_reduce_hook_stream=stream)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The next forward's all-gathers wait for ``event`` instead of the whole stream."""
@@ -175,18 +180,17 @@ class FSDPModule:
             raise TypeError(f"max_input_buffers must be an int, got {max_input_buffers!r}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be at least 1, got {max_input_buffers}")
-        for module in self._fsdp_modules(recurse):
-            module._get_fsdp_state().comm_ctx.max_pending_reduces = max_input_buffers
+        self._configure(recurse, max_pending_reduces=max_input_buffers)
 
     # -- custom communication -----------------------------------------------------------
 
     def set_custom_all_gather(self, comm: comms.AllGather) -> None:
         """All-gather this module's parameters with ``comm`` (allocation and collective)."""
-        self._single_group("set_custom_all_gather").all_gather_comm = comm
+        self._single_group("set_custom_all_gather").configure(all_gather_comm=comm)
 
     def set_custom_reduce_scatter(self, comm: comms.ReduceScatter) -> None:
         """Reduce-scatter this module's gradients with ``comm``."""
-        self._single_group("set_custom_reduce_scatter").reduce_scatter_comm = comm
+        self._single_group("set_custom_reduce_scatter").configure(reduce_scatter_comm=comm)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True):
         """Reduce-scatter on a second process group over the same ranks as the all-gather,
@@ -194,14 +198,17 @@ class FSDPModule:
         for module in self._fsdp_modules(recurse):
             for group in module._groups():
                 shard_group = group.mesh_info.shard_group
-                group.reduce_scatter_group = (
-                    comms.same_ranks_group(shard_group) if enable and shard_group else None
+                group.configure(
+                    reduce_scatter_group=(
+                        comms.same_ranks_group(shard_group) if enable and shard_group else None
+                    )
                 )
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted for compatibility: buffers always come from the caching allocator."""
         for group in self._groups():
-            if group.all_gather_comm is not None or group.reduce_scatter_comm is not None:
+            settings = group.settings
+            if settings.all_gather_comm is not None or settings.reduce_scatter_comm is not None:
                 raise AssertionError(
                     "set_allocate_memory_from_process_group_for_comm cannot be combined with "
                     "a custom all-gather or reduce-scatter"
@@ -225,9 +232,9 @@ class FSDPModule:
         self._get_fsdp_state().backward_prefetch = _states_of(modules, "backward")
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
-        # Collectives are always issued asynchronously and waited where needed; the flag is
-        # accepted for compatibility.
-        self._set_on_groups(True, unshard_async_op=async_op)
+        """Issue forward/backward all-gathers on the current stream instead of the side
+        stream (they are asynchronous either way and waited where the data is needed)."""
+        self._configure(True, unshard_async_op=async_op)
 
 
 def _states_of(modules: list[Any], direction: str) -> list[FSDPState]:
@@ -267,13 +274,9 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     for module in modules:
         if not isinstance(module, FSDPModule):
             raise ValueError(f"share_comm_ctx expects FSDPModules, got {type(module).__name__}")
-    shared = modules[0]._get_fsdp_state().comm_ctx
+    shared = modules[0]._get_fsdp_state().comm_ctx_for_sharing()
     for module in modules[1:]:
-        for sub in module._fsdp_modules(recurse=True):
-            state = sub._get_fsdp_state()
-            state.comm_ctx = shared
-            if state.group is not None:
-                state.group.comm_ctx = shared
+        module._get_fsdp_state().adopt_comm_ctx(shared)
 
 
 for _obj in (FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx):

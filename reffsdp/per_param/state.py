@@ -3,9 +3,17 @@
 [Note: root and lazy init]
 The first ``fully_shard`` state to run forward becomes the root. At that moment it finds
 every state in its module tree, marks them non-root, and gives them all one shared
-:class:`StateContext` and :class:`CommContext`. A root left at the default
-``reshard_after_forward=None`` keeps its parameters unsharded after forward: backward
-needs them at once, so resharding would only cost another all-gather.
+:class:`StateContext`. The root owns the one :class:`CommContext` of its tree (streams,
+in-flight reductions): it creates it here, or takes the one ``share_comm_ctx`` handed it,
+and binds every group to it. A root left at the default ``reshard_after_forward=None``
+keeps its parameters unsharded after forward: backward needs them at once, so resharding
+would only cost another all-gather.
+
+[Note: prefetch policy]
+The core unshards whatever group it is asked to; this front end decides which. Forward:
+the modules named by ``set_modules_to_forward_prefetch``. Backward: the modules named by
+``set_modules_to_backward_prefetch``, or by default the group whose forward ran just before
+ours this iteration (``StateContext.post_forward_order``, walked in reverse).
 
 [Note: hook order in one iteration]
 forward:  pre-forward (unshard, wait) -> module forward -> post-forward (reshard, record
@@ -46,13 +54,16 @@ def state_of(module: nn.Module) -> FSDPState | None:
 
 @dataclass
 class StateContext:
-    """Per-root, per-iteration bookkeeping shared by all states under the root."""
+    """Per-root bookkeeping shared by all states under the root."""
 
     all_states: list[FSDPState] = field(default_factory=list)
+    comm: CommContext | None = None  # created by the root at lazy init
     iter_forward_root: FSDPState | None = None
     final_callback_queued: bool = False
     is_last_backward: bool = True
     post_optim_event: Any = None
+    # States whose group finished forward this iteration, in order, with repeats.
+    post_forward_order: list[FSDPState] = field(default_factory=list)
 
 
 class FSDPState:
@@ -73,10 +84,13 @@ class FSDPState:
         self.auto_reshard_root = auto_reshard_root
         self.is_root: bool | None = None
         self.ctx = StateContext()
-        self.comm_ctx = group.comm_ctx if group is not None else CommContext()
+        # Set by share_comm_ctx before lazy init: the context this root adopts.
+        self.shared_comm_ctx: CommContext | None = None
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] = []
+        # Positions of this state in ``ctx.post_forward_order`` (see [Note: prefetch policy]).
+        self._post_forward_indices: list[int] = []
         # Listed modules that have yet to finish this forward (see ``_pre_forward``).
         self._modules_in_forward: set[nn.Module] = set()
         self._name = f"fully_shard module ({', '.join(type(m).__name__ for m in modules)})"
@@ -116,20 +130,44 @@ class FSDPState:
                 )
             state.is_root = False
         self.ctx.all_states = states
-        # Limits set on any state before this point apply to the shared context.
-        self.comm_ctx.max_pending_reduces = max(s.comm_ctx.max_pending_reduces for s in states)
         for state in states:
             state.ctx = self.ctx
-            state.comm_ctx = self.comm_ctx
-            if state.group is not None:
-                state.group.comm_ctx = self.comm_ctx
+        self.use_comm_ctx(self.shared_comm_ctx or CommContext())
         if self.group is not None and self.auto_reshard_root:
-            self.group.reshard_after_forward = False
+            self.group.configure(reshard_after_forward=False)
         _set_root_fqns(self.modules[0], states)
         _check_no_param_in_two_groups(states)
         for state in states:
             if state.group is not None:
                 state.group.lazy_init()
+
+    def use_comm_ctx(self, comm: CommContext) -> None:
+        """Make ``comm`` this root's communication context and bind its groups to it."""
+        self.ctx.comm = comm
+        for state in self.ctx.all_states:
+            if state.group is not None:
+                state.group.bind(comm)
+
+    def comm_ctx_for_sharing(self) -> CommContext:
+        """This root's context, made now if lazy init has not run (``share_comm_ctx``)."""
+        if self.ctx.comm is not None:
+            return self.ctx.comm
+        if self.shared_comm_ctx is None:
+            self.shared_comm_ctx = CommContext()
+        return self.shared_comm_ctx
+
+    def adopt_comm_ctx(self, comm: CommContext) -> None:
+        """Use another root's context (``share_comm_ctx``), now or at lazy init."""
+        if self.ctx.comm is not None:
+            self.use_comm_ctx(comm)
+        else:
+            self.shared_comm_ctx = comm
+
+    @property
+    def comm_ctx(self) -> CommContext:
+        """The root's communication context (after lazy init)."""
+        assert self.ctx.comm is not None, f"{self}: no communication context before lazy init"
+        return self.ctx.comm
 
     # -- forward hooks ------------------------------------------------------------------
 
@@ -173,12 +211,11 @@ class FSDPState:
 
     def _group_post_forward(self) -> None:
         assert self.group is not None
-        if torch.is_grad_enabled():
-            self.group.post_forward()
-        else:  # no backward follows: reshard without recording backward order
-            if self.group.reshard_after_forward:
-                self.group.reshard()
-            self.group.training_state = TrainingState.IDLE
+        backward_follows = torch.is_grad_enabled()
+        self.group.post_forward(backward_follows=backward_follows)
+        if backward_follows:  # record the order backward prefetching walks
+            self._post_forward_indices.append(len(self.ctx.post_forward_order))
+            self.ctx.post_forward_order.append(self)
 
     def _root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         # The optimizer step that updated the shards must finish before all-gathers read
@@ -224,7 +261,7 @@ class FSDPState:
     def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
         # load_state_dict(assign=True) registers new DTensors: adopt them and re-pad.
         if self.group is not None:
-            for param in self.group.params:
+            for param in self.group.members:
                 param.adopt_registered_param()
 
     # -- backward hooks -----------------------------------------------------------------
@@ -238,30 +275,34 @@ class FSDPState:
         group = self.group
         if group is None or group.training_state is TrainingState.PRE_BACKWARD:
             return
-        group.pre_backward(default_prefetch=not self.backward_prefetch)
-        for target in self.backward_prefetch:
-            if target.group is not None:
+        group.pre_backward()
+        targets = self.backward_prefetch or self._previous_in_forward()
+        for target in targets:
+            if target.group is not None and target.group.settings.unshard_in_backward:
                 target.group.unshard()
+
+    def _previous_in_forward(self) -> list[FSDPState]:
+        """The state whose group finished forward just before ours (default prefetch)."""
+        if not self._post_forward_indices:
+            return []
+        index = self._post_forward_indices.pop()
+        return [self.ctx.post_forward_order[index - 1]] if index > 0 else []
 
     def _final_callback(self) -> None:
         """Runs once per backward, on the root: see [Note: hook order in one iteration]."""
         ctx = self.ctx
         try:
             for state in ctx.all_states:
-                group = state.group
-                if group is not None:
-                    if group.training_state is TrainingState.PRE_BACKWARD or (
-                        group.training_state is TrainingState.IDLE and group.is_unsharded
-                    ):
-                        group.post_backward()
-                    group.training_state = TrainingState.IDLE
+                if state.group is not None:
+                    state.group.end_backward()
                 state.training_state = TrainingState.IDLE
             if ctx.is_last_backward:
                 self.comm_ctx.complete_reduces()
                 for state in ctx.all_states:
+                    state._post_forward_indices.clear()
                     if state.group is not None:
                         state.group.finalize_backward()
-                self.comm_ctx.post_forward_order.clear()
+                ctx.post_forward_order.clear()
         finally:
             ctx.final_callback_queued = False
             ctx.iter_forward_root = None
@@ -271,10 +312,11 @@ class FSDPState:
         if not self.is_root:
             raise RuntimeError("reset_iter_state() must be called on the root FSDP module")
         self.comm_ctx.discard_reduces()
-        self.comm_ctx.post_forward_order.clear()
+        self.ctx.post_forward_order.clear()
         for state in self.ctx.all_states:
             state.training_state = TrainingState.IDLE
             state._modules_in_forward.clear()
+            state._post_forward_indices.clear()
             if state.group is not None:
                 state.group.reset()
         self.ctx.iter_forward_root = None
@@ -287,7 +329,7 @@ def _set_root_fqns(root: nn.Module, states: list[FSDPState]) -> None:
         id(param.sharded_param): param
         for state in states
         if state.group is not None
-        for param in state.group.params
+        for param in state.group.members
     }
     for name, tensor in root.named_parameters():
         param = by_id.get(id(tensor))
@@ -300,7 +342,7 @@ def _check_no_param_in_two_groups(states: list[FSDPState]) -> None:
     for state in states:
         if state.group is None:
             continue
-        for param in state.group.params:
+        for param in state.group.members:
             other = owner.setdefault(param.orig_param_uid, state)
             if other is not state:
                 raise ValueError(

@@ -1,0 +1,122 @@
+"""What a parameter group needs from its members: the seam between the core and the APIs.
+
+[Note: group members]
+A :class:`~reffsdp.core.param_group.ParamGroup` all-gathers, reshards and reduces a list of
+members and knows nothing else about them. Two kinds of member exist:
+
+* one parameter, sharded on its own (the per-parameter API): its shard is a DTensor, its
+  unsharded form a plain tensor that views the all-gather output;
+* a flat parameter (the wrapper API): many parameters laid end to end in one padded 1-D
+  buffer, sharded as a whole, with the originals as views into it.
+
+Sizes a member reports are element counts in the member's compute dtype:
+
+* ``shard_numel``: this rank's padded shard, the same on every rank of the shard group;
+* the all-gather output it offers holds ``world_size * shard_numel`` elements, rank r's
+  shard in row r;
+* the gradient it hands over for reduction splits, after padding its dim 0 to a multiple
+  of ``world_size``, into ``world_size`` equal chunks of ``shard_numel`` elements: chunk r
+  is what rank r keeps. The reduced chunk comes back through ``accept_reduced_grad``.
+
+Two ranks, a member with a ``(3, 2)`` weight: ``shard_numel = 4`` (two rows, rank 1's
+second row is padding), the all-gather output has 8 elements, and the gradient ``(3, 2)``
+is padded to ``(4, 2)`` and cut into two chunks of 4 elements.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class GroupMember(Protocol):
+    """The dozen things a group asks of a member (see [Note: group members])."""
+
+    @property
+    def fqn(self) -> str:
+        """A name for messages: the parameter's (or flat parameter's) path."""
+        ...
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether any gradient flows to this member (frozen members are never reduced)."""
+        ...
+
+    @property
+    def is_materialized(self) -> bool:
+        """False while the shard still lives on the meta device."""
+        ...
+
+    @property
+    def shard_numel(self) -> int: ...
+
+    # Mixed precision, resolved at lazy init (see [Note: mixed precision] in param_group).
+    orig_dtype: torch.dtype
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+
+    @property
+    def compute_dtype(self) -> torch.dtype: ...
+
+    def lazy_init(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
+        """Once, before the first all-gather: re-sync shard storage, resolve dtypes."""
+        ...
+
+    # -- all-gather ---------------------------------------------------------------------
+
+    def all_gather_input(self) -> torch.Tensor:
+        """This rank's padded shard, 1-D, on the compute device, in compute dtype."""
+        ...
+
+    def all_gather_output(self) -> torch.Tensor:
+        """The 1-D buffer (storage allocated) that receives the gathered rows.
+
+        Return an alias autograd does not track (``tensor.data``): re-gathering in backward
+        must not bump the version of tensors autograd saved in forward.
+        """
+        ...
+
+    def finish_unshard(self) -> None:
+        """After the gathered bytes landed: build or refresh the unsharded form."""
+        ...
+
+    # -- what the module sees -----------------------------------------------------------
+
+    def to_unsharded(self) -> None:
+        """Make the module compute with the unsharded form."""
+        ...
+
+    def to_sharded(self) -> None:
+        """Make the module show the shard again and free the unsharded storage."""
+        ...
+
+    def to_sharded_post_forward(self, rank: int, world_size: int) -> None:
+        """Show the shard but keep block ``rank`` of ``world_size`` of the gathered data."""
+        ...
+
+    def post_forward_all_gather_input(self) -> torch.Tensor:
+        """The block kept by ``to_sharded_post_forward``, as the next all-gather's input."""
+        ...
+
+    # -- gradients ----------------------------------------------------------------------
+
+    def take_grad_for_reduce(self, zeros_if_unused: bool) -> torch.Tensor | None:
+        """Pop this backward's unsharded gradient (plus any kept while sync was off),
+        laid out for the reduce-scatter; zeros for an unused trainable member if asked."""
+        ...
+
+    def keep_unsharded_grad(self) -> None:
+        """Gradient sync is off: keep this backward's gradient for a later synced one."""
+        ...
+
+    def accept_reduced_grad(self, shard: torch.Tensor) -> bool:
+        """Take this rank's reduced chunk (1-D, ``shard_numel``, already divided).
+
+        Returns whether a non-blocking device-to-host copy is still in flight.
+        """
+        ...
+
+    def discard_grads(self) -> None:
+        """Drop unsharded and kept gradients (after an error mid-iteration)."""
+        ...
