@@ -1,0 +1,346 @@
+"""The wrapper API's group member: many parameters flattened into one padded 1-D buffer.
+
+[Note: flat parameter lifecycle]
+One ``FullyShardedDataParallel`` instance owns the parameters of its module that no nested
+instance owns. They are concatenated (see [Note: flat layout] in ``core/flat_layout``) and
+the flat buffer is sharded like any tensor on dim 0. Per rank we keep:
+
+* ``local_shard`` (1-D, ``shard_numel``, original dtype): this rank's padded chunk. The
+  :class:`FlatParameter` the optimizer sees (``use_orig_params=False``) is this tensor; with
+  ``use_orig_params=True`` the optimizer sees the original parameters instead, each
+  registered as a 1-D view of its piece of ``local_shard`` (empty where the rank holds none).
+* ``gathered`` (1-D, ``world_size * shard_numel``, compute dtype): the all-gather target.
+  Its storage is freed on reshard and regrown on unshard (same tensor object).
+* ``unsharded``: an ``nn.Parameter`` viewing the first ``total_numel`` elements of
+  ``gathered``. In forward each original parameter is set on its module as a view of it, so
+  autograd sums every use into ``unsharded.grad``; a hook on its gradient accumulation tells
+  the group backward is done with this unit.
+
+A reduced gradient chunk becomes ``FlatParameter.grad`` (or, with ``use_orig_params=True``,
+views of one flat gradient on each original parameter), added to what is already there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..core.flat_layout import FlatLayout, RankShard, flat_layout
+
+
+class FlatParameter(nn.Parameter):
+    """This rank's shard of a wrapper instance's flattened parameters (1-D).
+
+    Metadata lives on the handle that owns it (``FullyShardedDataParallel._handle``); the
+    class only marks the tensor so code can tell a flat parameter from an original one.
+    """
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where an original parameter lives: ``getattr(module, name)``, and its path."""
+
+    module: nn.Module
+    name: str
+    fqn: str  # relative to the wrapped module
+
+
+def _set_tensor(slot: ParamSlot, tensor: torch.Tensor) -> None:
+    """Show ``tensor`` as ``slot``: registered if it is a Parameter, else a plain attribute.
+
+    A plain tensor (a view in forward) must not sit in ``_parameters``: ``parameters()``
+    would hand the optimizer a non-leaf. ``__dict__`` wins over ``nn.Module.__getattr__``.
+    """
+    module = slot.module
+    if isinstance(tensor, nn.Parameter):
+        module.__dict__.pop(slot.name, None)
+        module._parameters[slot.name] = tensor
+    else:
+        module._parameters.pop(slot.name, None)
+        module.__dict__[slot.name] = tensor
+
+
+class FlatParamHandle:
+    """A :class:`~reffsdp.core.member.GroupMember` made of many parameters."""
+
+    def __init__(
+        self,
+        slots: list[list[ParamSlot]],
+        params: list[nn.Parameter],
+        world_size: int,
+        rank: int,
+        device: torch.device,
+        *,
+        use_orig_params: bool,
+        offload: bool,
+        fqn_prefix: str,
+    ) -> None:
+        _check_flattenable(params, slots, use_orig_params)
+        self.slots = slots  # per original parameter: every place it is registered
+        self.device = device
+        self.use_orig_params = use_orig_params
+        self.offload = offload and device.type != "cpu"
+        self._fqn_prefix = fqn_prefix
+        dtype = params[0].dtype
+        self.layout: FlatLayout = flat_layout(
+            [p.shape for p in params],
+            world_size,
+            align_itemsize=dtype.itemsize if use_orig_params else None,
+        )
+        self.rank_shard: RankShard = self.layout.rank_shard(rank)
+        self.orig_dtype = dtype
+        self.param_dtype: torch.dtype | None = None
+        self.reduce_dtype: torch.dtype | None = None
+        self.trainable = [p.requires_grad for p in params]
+        self.local_shard = self._flatten_and_shard(params)
+        if self.offload:
+            self.local_shard = self.local_shard.cpu().pin_memory()
+        self.flat_param = FlatParameter(self.local_shard, requires_grad=any(self.trainable))
+        self.orig_params: list[nn.Parameter] = []
+        if use_orig_params:
+            self.orig_params = [
+                nn.Parameter(self._shard_piece(self.local_shard, i), requires_grad=p.requires_grad)
+                for i, p in enumerate(params)
+            ]
+        self.gathered: torch.Tensor | None = None
+        self.unsharded: nn.Parameter | None = None
+        self.unsharded_accumulated_grad: torch.Tensor | None = None
+        self.post_backward_hook: Callable[[], None] | None = None
+        self.show_sharded()
+
+    # -- building -----------------------------------------------------------------------
+
+    def _flatten_and_shard(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """This rank's padded chunk of the flattened parameters, on the compute device."""
+        shard = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=self.device)
+        with torch.no_grad():
+            for param, piece in zip(params, self.rank_shard.params):
+                if piece.in_shard and piece.numel_in_shard:
+                    source = param.detach().reshape(-1)
+                    source = source[piece.intra_param_start : piece.intra_param_end]
+                    start = piece.offset_in_shard
+                    shard[start : start + piece.numel_in_shard].copy_(source)
+        return shard
+
+    def _shard_piece(self, flat_shard: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s piece of a flat shard (1-D, empty if not in the shard)."""
+        piece = self.rank_shard.params[index]
+        if not piece.in_shard:
+            return flat_shard.narrow(0, 0, 0)
+        return flat_shard.narrow(0, piece.offset_in_shard, piece.numel_in_shard)
+
+    # -- the member contract: identity and dtypes ---------------------------------------
+
+    @property
+    def fqn(self) -> str:
+        return f"{self._fqn_prefix}_flat_param"
+
+    @property
+    def fqns(self) -> list[str]:
+        """The original parameters' paths, relative to the wrapped module."""
+        return [slots[0].fqn for slots in self.slots]
+
+    @property
+    def requires_grad(self) -> bool:
+        return any(self.trainable)
+
+    @property
+    def is_materialized(self) -> bool:
+        return self.local_shard.device.type != "meta"
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.param_dtype or self.orig_dtype
+
+    def lazy_init(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
+        if param_dtype == self.orig_dtype or not self.orig_dtype.is_floating_point:
+            param_dtype = None
+        if reduce_dtype == (param_dtype or self.orig_dtype):
+            reduce_dtype = None
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+
+    # -- all-gather ---------------------------------------------------------------------
+
+    def all_gather_input(self) -> torch.Tensor:
+        shard = self.local_shard
+        if shard.device != self.device:
+            shard = shard.to(self.device, non_blocking=True)
+        return shard.to(self.compute_dtype)
+
+    def all_gather_output(self) -> torch.Tensor:
+        numel = self.layout.padded_numel
+        if self.gathered is None or self.gathered.dtype != self.compute_dtype:
+            self.gathered = torch.empty(numel, dtype=self.compute_dtype, device=self.device)
+            self.unsharded = None
+        else:
+            storage = self.gathered.untyped_storage()
+            nbytes = numel * self.gathered.element_size()
+            if storage.size() != nbytes:
+                storage.resize_(nbytes)
+        return self.gathered.data
+
+    def finish_unshard(self) -> None:
+        if self.unsharded is None:
+            assert self.gathered is not None
+            data = self.gathered.narrow(0, 0, self.layout.total_numel)
+            self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
+            if self.requires_grad:
+                self.unsharded.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _on_grad_ready(self, _: torch.Tensor) -> None:
+        if self.post_backward_hook is not None:
+            self.post_backward_hook()
+
+    # -- what the module sees -----------------------------------------------------------
+
+    def unsharded_views(self) -> list[torch.Tensor]:
+        """Each original parameter as a view of the unsharded flat parameter.
+
+        Made under grad mode, so autograd routes every use back into ``unsharded``; frozen
+        parameters are detached so no gradient is computed for them.
+        """
+        assert self.unsharded is not None, "unsharded views before an all-gather finished"
+        views = []
+        for i, shape in enumerate(self.layout.shapes):
+            offset = self.layout.param_offsets[i]
+            view = self.unsharded.narrow(0, offset, self.layout.numels[i]).view(shape)
+            views.append(view if self.trainable[i] else view.detach())
+        return views
+
+    def to_unsharded(self) -> None:
+        for slots, view in zip(self.slots, self.unsharded_views()):
+            for slot in slots:
+                _set_tensor(slot, view)
+
+    def show_unsharded_as_params(self) -> None:
+        """Register full-size ``nn.Parameter`` views (``summon_full_params``)."""
+        assert self.unsharded is not None
+        for i, slots in enumerate(self.slots):
+            offset = self.layout.param_offsets[i]
+            data = self.unsharded.detach().narrow(0, offset, self.layout.numels[i])
+            param = nn.Parameter(data.view(self.layout.shapes[i]), requires_grad=False)
+            param.requires_grad_(self.trainable[i])
+            for slot in slots:
+                _set_tensor(slot, param)
+
+    def show_sharded(self) -> None:
+        """Between iterations: original parameters as shard views, or nothing to show."""
+        for i, slots in enumerate(self.slots):
+            for slot in slots:
+                if self.use_orig_params:
+                    _set_tensor(slot, self.orig_params[i])
+                else:  # the flat parameter stands in for them; drop stale attributes
+                    slot.module._parameters.pop(slot.name, None)
+                    slot.module.__dict__.pop(slot.name, None)
+
+    def to_sharded(self) -> None:
+        self.show_sharded()
+        if self.gathered is not None and self.gathered.untyped_storage().size() > 0:
+            self.gathered.untyped_storage().resize_(0)
+
+    def to_sharded_post_forward(self, rank: int, world_size: int) -> None:
+        raise NotImplementedError("the wrapper API reshards after forward fully or not at all")
+
+    def post_forward_all_gather_input(self) -> torch.Tensor:
+        raise NotImplementedError("the wrapper API reshards after forward fully or not at all")
+
+    # -- gradients ----------------------------------------------------------------------
+
+    def _pop_unsharded_grad(self) -> torch.Tensor | None:
+        grad = None
+        if self.unsharded is not None and self.unsharded.grad is not None:
+            grad, self.unsharded.grad = self.unsharded.grad, None
+        return grad
+
+    def take_grad_for_reduce(self, zeros_if_unused: bool) -> torch.Tensor | None:
+        grad = self._pop_unsharded_grad()
+        if self.unsharded_accumulated_grad is not None:
+            if grad is not None:
+                self.unsharded_accumulated_grad += grad
+            grad, self.unsharded_accumulated_grad = self.unsharded_accumulated_grad, None
+        if grad is None and zeros_if_unused:
+            numel, dtype = self.layout.total_numel, self.compute_dtype
+            grad = torch.zeros(numel, dtype=dtype, device=self.device)
+        if grad is None:
+            return None
+        # Pad to every rank's chunk so dim 0 splits into world_size equal chunks.
+        padding = self.layout.padded_numel - grad.numel()
+        return torch.nn.functional.pad(grad, (0, padding)) if padding else grad
+
+    def keep_unsharded_grad(self) -> None:
+        grad = self._pop_unsharded_grad()
+        if grad is None:
+            return
+        dtype = self.reduce_dtype or grad.dtype
+        if self.unsharded_accumulated_grad is None:
+            self.unsharded_accumulated_grad = grad.to(dtype, copy=True)
+        else:
+            self.unsharded_accumulated_grad += grad
+
+    def accept_reduced_grad(self, shard: torch.Tensor) -> bool:
+        # ``shard`` is the group's whole reduced row for a one-member group: viewing it keeps
+        # no more memory alive than the gradient needs.
+        grad = shard.to(self.orig_dtype)
+        if self.offload:
+            grad = grad.to("cpu")
+        if not self.use_orig_params:
+            flat = self.flat_param
+            if flat.grad is None:
+                flat.grad = grad
+            else:
+                flat.grad.add_(grad)
+            return False
+        for i, param in enumerate(self.orig_params):
+            if not self.trainable[i]:
+                continue
+            piece = self._shard_piece(grad, i)
+            if param.grad is not None:  # accumulate into whatever the user left there
+                piece.add_(param.grad.view(-1))
+            param.grad = piece
+        return False
+
+    def discard_grads(self) -> None:
+        self._pop_unsharded_grad()
+        self.unsharded_accumulated_grad = None
+
+
+def _check_flattenable(
+    params: list[nn.Parameter], slots: list[list[ParamSlot]], use_orig_params: bool
+) -> None:
+    """The wrapper's flattening rules (one dtype, one device, uniform ``requires_grad``)."""
+    names = [s[0].fqn for s in slots]
+    if not params:
+        raise ValueError("a flat parameter needs at least one parameter")
+    for param, name in zip(params, names):
+        if param.dim() == 0:
+            raise ValueError(
+                f"FullyShardedDataParallel cannot flatten the scalar (0-dim) parameter {name}; "
+                "give it a dimension (e.g. shape (1,)) or list it in ignored_states"
+            )
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1 or not params[0].is_floating_point():
+        raise ValueError(
+            "FullyShardedDataParallel flattens parameters of one floating-point dtype per "
+            f"instance, got {sorted(map(str, dtypes))} for {names}; wrap the modules with "
+            "other dtypes separately"
+        )
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"FullyShardedDataParallel needs the parameters of one instance on one device, "
+            f"got {sorted(map(str, devices))}"
+        )
+    if not use_orig_params and len({p.requires_grad for p in params}) > 1:
+        frozen = [n for p, n in zip(params, names) if not p.requires_grad]
+        raise ValueError(
+            "FullyShardedDataParallel with use_orig_params=False needs uniform requires_grad "
+            f"within one instance, but {frozen} are frozen and the rest are not; wrap them "
+            "separately or pass use_orig_params=True"
+        )

@@ -1,0 +1,411 @@
+"""``FullyShardedDataParallel``: the wrapper API, a thin front end on the shared core.
+
+[Note: the wrapper on the core]
+Each instance flattens the parameters its module owns (less those of nested instances and
+ignored modules) into one :class:`~reffsdp.wrapper.flat_param.FlatParamHandle`, and that
+handle is the single member of one core :class:`~reffsdp.core.param_group.ParamGroup`. The
+strategies are group settings: FULL_SHARD and HYBRID_SHARD reshard after forward (all but
+the root) and after backward; SHARD_GRAD_OP and _HYBRID_SHARD_ZERO2 keep parameters
+unsharded from forward to backward; NO_SHARD shards over one rank and all-reduces. This
+module only decides *when* groups unshard, reshard and reduce:
+
+forward:  root: lazy init, wait for the optimizer, move and cast inputs
+          instance: unshard + wait, show views, forward prefetch, module forward,
+          reshard per strategy, hook the outputs for pre-backward
+backward: pre-backward (first output gradient): unshard, BACKWARD_PRE prefetch
+          post-backward (the flat gradient is accumulated): reduce, BACKWARD_POST prefetch
+          final callback (root): reduce what never saw a post-backward, wait for reductions
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map_only
+
+from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from ..core.autograd_hooks import in_backward, queue_final_callback, register_pre_backward
+from ..core.param_group import GroupSettings, ParamGroup
+from ..core.runtime import CommContext
+from ..core.states import TrainingState
+from . import setup
+from .flat_param import FlatParameter, FlatParamHandle, ParamSlot
+
+WRAPPED_MODULE = "_fsdp_wrapped_module"
+FLAT_PARAM = "_flat_param"
+_RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+@dataclass
+class RootContext:
+    """What every instance under one root shares."""
+
+    instances: list[FullyShardedDataParallel] = field(default_factory=list)
+    comm: CommContext = field(default_factory=CommContext)
+    iter_forward_root: FullyShardedDataParallel | None = None
+    final_callback_queued: bool = False
+    # First iteration's pre-forward order (forward prefetch) and this iteration's
+    # post-forward order (backward prefetch).
+    forward_order: list[FullyShardedDataParallel] = field(default_factory=list)
+    forward_order_recorded: bool = False
+    post_forward_order: list[FullyShardedDataParallel] = field(default_factory=list)
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shards a module's parameters across data-parallel ranks (the wrapper API)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Any = None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy: Any = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None,
+        ignored_modules: Any = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states: Any = None,
+        device_mesh: Any = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError("the module is already wrapped by FullyShardedDataParallel")
+        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        device = setup.compute_device(module, device_id)
+        mesh_info = setup.mesh_info_for_strategy(strategy, process_group, device_mesh, device)
+        ignored_modules_set, ignored_params = setup.ignored_sets(
+            module, ignored_modules, ignored_states, FullyShardedDataParallel
+        )
+        if auto_wrap_policy is not None:
+            from ..wrap import auto_wrap_children
+
+            root_kwargs = dict(
+                process_group=process_group,
+                sharding_strategy=strategy,
+                cpu_offload=cpu_offload,
+                backward_prefetch=backward_prefetch,
+                mixed_precision=mixed_precision,
+                param_init_fn=param_init_fn,
+                device_id=device_id,
+                sync_module_states=sync_module_states,
+                forward_prefetch=forward_prefetch,
+                limit_all_gathers=limit_all_gathers,
+                use_orig_params=use_orig_params,
+                device_mesh=device_mesh,
+            )
+            auto_wrap_children(
+                module,
+                auto_wrap_policy,
+                FullyShardedDataParallel,
+                root_kwargs,
+                ignored_modules_set,
+                ignored_params,
+            )
+        self.sharding_strategy = setup.warn_no_shard(strategy, mesh_info.shard_size)
+        self.cpu_offload = cpu_offload or CPUOffload()
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        self.mixed_precision = mixed_precision
+        self._use_orig_params = use_orig_params
+        self.compute_device = device
+        self.process_group = mesh_info.shard_group or mesh_info.replicate_group
+        self.rank = mesh_info.shard_rank
+        self.world_size = mesh_info.shard_size
+        self._mesh_info = mesh_info
+        self._ignored_modules = ignored_modules_set
+        self._ignored_params = ignored_params
+        self._is_root: bool | None = None
+        self._sync_gradients = True
+        self._root_ctx = RootContext()
+        self.training_state = TrainingState.IDLE
+        self.add_module(WRAPPED_MODULE, module)
+
+        setup.materialize(
+            module, param_init_fn, device, ignored_modules_set, FullyShardedDataParallel
+        )
+        own_modules = setup._unwrapped_modules(
+            module, ignored_modules_set, FullyShardedDataParallel
+        )
+        offload = self.cpu_offload.offload_params
+        setup.move_to_device(own_modules, device, offload, FullyShardedDataParallel)
+        entries = setup.managed_params(
+            module, ignored_modules_set, ignored_params, FullyShardedDataParallel, FLAT_PARAM
+        )
+        if sync_module_states:
+            buffers = [b for m in own_modules for b in m.buffers(recurse=False)]
+            setup.sync_module_states([p for p, _ in entries], buffers, mesh_info)
+        self._handle: FlatParamHandle | None = None
+        self._group: ParamGroup | None = None
+        if entries:
+            self._build_group(entries, mesh_info, device, strategy, offload)
+
+    def _build_group(self, entries, mesh_info, device, strategy, offload) -> None:
+        slots = [[ParamSlot(m, name, fqn) for m, name, fqn in refs] for _, refs in entries]
+        handle = FlatParamHandle(
+            slots,
+            [param for param, _ in entries],
+            mesh_info.shard_size,
+            mesh_info.shard_rank,
+            device,
+            use_orig_params=self._use_orig_params,
+            offload=offload,
+            fqn_prefix=f"{WRAPPED_MODULE}.",
+        )
+        handle.post_backward_hook = self._post_backward
+        module = self._fsdp_wrapped_module
+        if self._use_orig_params:
+            module.__dict__[FLAT_PARAM] = handle.flat_param
+        else:
+            module.register_parameter(FLAT_PARAM, handle.flat_param)
+        mp = self.mixed_precision
+        param_dtype = mp.param_dtype if mp is not None else None
+        reduce_dtype = mp.reduce_dtype if mp is not None else None
+        if reduce_dtype is None:
+            reduce_dtype = param_dtype  # the wrapper reduces in param_dtype unless told
+        settings = GroupSettings(
+            reshard_after_forward=strategy in _RESHARD_AFTER_FORWARD,
+            # Every strategy regathers after backward: the optimizer updates the shards.
+            reshard_after_backward=True,
+        )
+        self._handle = handle
+        self._group = ParamGroup(
+            [handle],
+            f"FullyShardedDataParallel({type(module).__name__})",
+            mesh_info,
+            device,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            settings=settings,
+        )
+
+    # -- plain accessors ----------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module (under an activation-checkpoint wrapper, the module inside)."""
+        wrapped = self._fsdp_wrapped_module
+        return getattr(wrapped, "_checkpoint_wrapped_module", wrapped)
+
+    @property
+    def _flat_param(self) -> FlatParameter | None:
+        return self._handle.flat_param if self._handle is not None else None
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the wrapper lacks come from the wrapped module."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            wrapped = self._modules.get(WRAPPED_MODULE)
+            if wrapped is None:
+                raise
+            return getattr(wrapped, name)
+
+    def __getitem__(self, key: int) -> Any:
+        return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+
+    def check_is_root(self) -> bool:
+        self._lazy_init()
+        return bool(self._is_root)
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
+        """Every instance in ``module``'s tree (only the outermost ones with ``root_only``)."""
+        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if not root_only:
+            return found
+        inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
+        return [m for m in found if id(m) not in inner]
+
+    # -- lazy init ----------------------------------------------------------------------
+
+    def _lazy_init(self) -> None:
+        """The first instance to run forward becomes the root of every instance below it."""
+        if self._is_root is not None:
+            return
+        self._is_root = True
+        ctx = RootContext()
+        instances = FullyShardedDataParallel.fsdp_modules(self)
+        for instance in instances[1:]:
+            if instance._is_root is not None:
+                raise RuntimeError(
+                    f"a nested FullyShardedDataParallel({type(instance.module).__name__}) ran "
+                    "forward before its root; run forward through the root module first"
+                )
+            instance._is_root = False
+        ctx.instances = instances
+        for instance in instances:
+            instance._root_ctx = ctx
+            if instance._group is not None:
+                instance._group.bind(ctx.comm)
+        if self._group is not None and self.sharding_strategy in _RESHARD_AFTER_FORWARD:
+            self._group.configure(reshard_after_forward=False)  # backward needs it at once
+        mp = self.mixed_precision
+        if mp is not None and mp.buffer_dtype is not None:
+            for instance in instances:
+                for sub in instance._own_modules():
+                    for name, buffer in sub._buffers.items():
+                        if buffer is not None and buffer.is_floating_point():
+                            sub._buffers[name] = buffer.to(mp.buffer_dtype)
+
+    def _own_modules(self) -> list[nn.Module]:
+        return setup._unwrapped_modules(
+            self._fsdp_wrapped_module, self._ignored_modules, FullyShardedDataParallel
+        )
+
+    # -- forward ------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if in_backward():  # activation-checkpoint recompute: parameters, nothing more
+            self._unshard_now()
+            return self._fsdp_wrapped_module(*args, **kwargs)
+        self._lazy_init()
+        ctx = self._root_ctx
+        if ctx.iter_forward_root is None:
+            ctx.iter_forward_root = self
+            args, kwargs = self._root_pre_forward(args, kwargs)
+        self.training_state = TrainingState.FORWARD
+        args, kwargs = self._cast_inputs(args, kwargs, root=False)
+        if self._group is not None:
+            self._group.pre_forward()
+            self._handle.to_unsharded()  # fresh views, so autograd sees this forward
+            if not ctx.forward_order_recorded:
+                ctx.forward_order.append(self)
+            if self.forward_prefetch:
+                self._prefetch(self._next_in_forward())
+        try:
+            output = self._fsdp_wrapped_module(*args, **kwargs)
+        finally:
+            self.training_state = TrainingState.IDLE
+        if self._group is not None:
+            backward_follows = torch.is_grad_enabled()
+            self._group.post_forward(backward_follows=backward_follows)
+            if backward_follows:
+                ctx.post_forward_order.append(self)
+        output = register_pre_backward(self._pre_backward, output, owner=repr(self._group))
+        if ctx.iter_forward_root is self:
+            ctx.iter_forward_root = None
+            ctx.forward_order_recorded = True
+        return output
+
+    def _unshard_now(self) -> None:
+        if self._group is not None:
+            self._group.unshard()
+            self._group.wait_for_unshard()
+            self._handle.to_unsharded()
+
+    def _root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        ctx = self._root_ctx
+        ctx.comm.all_gather_stream(self.compute_device).wait_for_compute()
+        if self.compute_device.type != "cpu":
+            move = lambda t: t.to(self.compute_device, non_blocking=True)  # noqa: E731
+            args, kwargs = tree_map_only(torch.Tensor, move, (args, kwargs))
+        return self._cast_inputs(args, kwargs, root=True)
+
+    def _cast_inputs(self, args: Any, kwargs: Any, *, root: bool) -> tuple[Any, Any]:
+        mp = self.mixed_precision
+        if mp is None or mp.param_dtype is None:
+            return args, kwargs
+        if not (mp.cast_root_forward_inputs if root else mp.cast_forward_inputs):
+            return args, kwargs
+        dtype = mp.param_dtype
+        cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+        return tree_map_only(torch.Tensor, cast, (args, kwargs))
+
+    def _next_in_forward(self) -> FullyShardedDataParallel | None:
+        order = self._root_ctx.forward_order
+        if not self._root_ctx.forward_order_recorded or self not in order:
+            return None
+        index = order.index(self)
+        return order[index + 1] if index + 1 < len(order) else None
+
+    def _previous_in_forward(self) -> FullyShardedDataParallel | None:
+        order = self._root_ctx.post_forward_order
+        for index in range(len(order) - 1, -1, -1):
+            if order[index] is self:
+                return order[index - 1] if index > 0 else None
+        return None
+
+    @staticmethod
+    def _prefetch(target: FullyShardedDataParallel | None) -> None:
+        if target is not None and target._group is not None:
+            target._group.unshard()
+
+    # -- backward -----------------------------------------------------------------------
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        ctx = self._root_ctx
+        if not ctx.final_callback_queued:
+            ctx.final_callback_queued = True
+            root = ctx.instances[0] if ctx.instances else self
+            queue_final_callback(root._final_callback)
+        group = self._group
+        if group is None or group.training_state is TrainingState.PRE_BACKWARD:
+            return
+        group.pre_backward()
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            self._prefetch(self._previous_in_forward())
+
+    def _post_backward(self) -> None:
+        group = self._group
+        assert group is not None
+        group.post_backward()
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            self._prefetch(self._previous_in_forward())
+
+    def _final_callback(self) -> None:
+        ctx = self._root_ctx
+        try:
+            for instance in ctx.instances:
+                if instance._group is not None:
+                    instance._group.end_backward()
+                instance.training_state = TrainingState.IDLE
+            ctx.comm.complete_reduces()
+            for instance in ctx.instances:
+                if instance._group is not None:
+                    instance._group.finalize_backward()
+            ctx.post_forward_order.clear()
+        finally:
+            ctx.final_callback_queued = False
+            ctx.iter_forward_root = None
+
+    # -- gradient accumulation ----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, with no communication, until the context exits."""
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError("no_sync() must be called on the root FullyShardedDataParallel")
+        instances = self._root_ctx.instances
+        previous = [(i, i._group.settings) for i in instances if i._group is not None]
+        for instance, settings in previous:
+            keep = instance.sharding_strategy not in _RESHARD_AFTER_FORWARD
+            instance._sync_gradients = False
+            instance._group.configure(
+                reduce_grads=False,
+                reshard_after_backward=settings.reshard_after_backward and not keep,
+            )
+        try:
+            yield
+        finally:
+            for instance, settings in previous:
+                instance._sync_gradients = True
+                instance._group.configure(
+                    reduce_grads=settings.reduce_grads,
+                    reshard_after_backward=settings.reshard_after_backward,
+                )
+
+
+FullyShardedDataParallel.__module__ = "reffsdp"

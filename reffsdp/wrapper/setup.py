@@ -1,0 +1,277 @@
+"""Constructor work for the wrapper API: which mesh, which device, which parameters.
+
+Everything here runs once, in ``FullyShardedDataParallel.__init__``, before the instance
+builds its flat parameter; none of it is needed during training.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..api import ShardingStrategy
+from ..core import comms
+from ..core.mesh import MeshInfo
+
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def compute_device(module: nn.Module, device_id: int | torch.device | None) -> torch.device:
+    """``device_id``, else the first non-CPU parameter's device, else the current
+    accelerator, else the CPU (torch's wrapper refuses a CPU-only machine; we run there)."""
+    if device_id is not None:
+        device = torch.device(device_id) if not isinstance(device_id, int) else None
+        if device is None or (device.type != "cpu" and device.index is None):
+            accelerator = torch.accelerator.current_accelerator()
+            assert accelerator is not None, "an int device_id needs an accelerator"
+            index = (
+                device_id
+                if isinstance(device_id, int)
+                else torch.accelerator.current_device_index()
+            )
+            device = torch.device(accelerator.type, index)
+        return device
+    for param in module.parameters():
+        if param.device.type not in ("cpu", "meta"):
+            return param.device
+    if torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        assert accelerator is not None
+        return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
+
+
+def _mesh_of(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
+    return DeviceMesh.from_group(group, device_type)
+
+
+def mesh_info_for_strategy(
+    strategy: ShardingStrategy,
+    process_group: Any,
+    device_mesh: DeviceMesh | None,
+    device: torch.device,
+) -> MeshInfo:
+    """The data-parallel mesh of one instance: who all-gathers and who all-reduces.
+
+    FULL_SHARD / SHARD_GRAD_OP shard over the group; NO_SHARD only all-reduces over it;
+    the hybrid strategies shard within ``(shard, replicate)`` groups.
+    """
+    if process_group is not None and device_mesh is not None:
+        raise ValueError(
+            "FullyShardedDataParallel takes a process_group or a device_mesh, not both"
+        )
+    if not dist.is_initialized():
+        dist.init_process_group()
+    device_type = device.type
+    if strategy in HYBRID:
+        mesh = _hybrid_mesh(process_group, device_mesh, device_type)
+        return MeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"{strategy.name} takes a 1-D device_mesh, got {device_mesh.ndim}-D; "
+                "pass a 2-D mesh only with a hybrid strategy"
+            )
+        mesh = device_mesh
+    else:
+        group = process_group if process_group is not None else dist.group.WORLD
+        if isinstance(group, tuple):
+            raise ValueError(
+                f"a (shard, replicate) pair of process groups needs a hybrid strategy, got "
+                f"{strategy.name}"
+            )
+        mesh = _mesh_of(group, device_type)
+    if strategy is ShardingStrategy.NO_SHARD:
+        return MeshInfo(mesh, shard_mesh_dim=None, replicate_mesh_dim=0)
+    return MeshInfo(mesh, shard_mesh_dim=0)
+
+
+def _hybrid_mesh(process_group: Any, device_mesh: DeviceMesh | None, device_type: str):
+    if device_mesh is not None:
+        if device_mesh.ndim != 2:
+            raise ValueError(
+                f"a hybrid strategy needs a 2-D device_mesh (replicate, shard), got "
+                f"{device_mesh.ndim}-D"
+            )
+        return device_mesh
+    if process_group is None:
+        return _intra_inter_node_mesh(device_type)
+    if not (isinstance(process_group, tuple) and len(process_group) == 2):
+        raise ValueError(
+            "a hybrid strategy takes process_group=(shard_group, replicate_group), a 2-D "
+            f"device_mesh, or neither; got {type(process_group).__name__}"
+        )
+    shard_group, replicate_group = process_group
+    shard_ranks = dist.get_process_group_ranks(shard_group)
+    replicate_ranks = dist.get_process_group_ranks(replicate_group)
+    world = dist.get_world_size()
+    if len(shard_ranks) * len(replicate_ranks) != world:
+        raise ValueError(
+            f"the shard group ({len(shard_ranks)} ranks) times the replicate group "
+            f"({len(replicate_ranks)} ranks) must cover the world ({world} ranks)"
+        )
+    # Row i of the mesh: the shard group that holds replicate rank i's copy.
+    rows = [_all_gather_ranks(shard_ranks, replicate_group)]
+    mesh = torch.tensor(rows[0], dtype=torch.int)
+    return DeviceMesh.from_group(
+        [replicate_group, shard_group],
+        device_type,
+        mesh=mesh,
+        mesh_dim_names=("replicate", "shard"),
+    )
+
+
+def _all_gather_ranks(shard_ranks: list[int], replicate_group: dist.ProcessGroup):
+    """Every replica's shard-group ranks, as rows (gathered over the replicate group)."""
+    mine = torch.tensor(shard_ranks, dtype=torch.int64)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(replicate_group))]
+    dist.all_gather(rows, mine, group=replicate_group)
+    return [row.tolist() for row in rows]
+
+
+def _intra_inter_node_mesh(device_type: str) -> DeviceMesh:
+    """Shard within a node (``LOCAL_WORLD_SIZE`` ranks, else accelerators per node), replicate
+    across nodes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or torch.accelerator.device_count()
+    per_node = per_node if per_node and world % per_node == 0 else world
+    return init_device_mesh(
+        device_type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def ignored_sets(
+    module: nn.Module,
+    ignored_modules: Iterable[nn.Module] | None,
+    ignored_states: Iterable[Any] | None,
+    wrapper_cls: type,
+) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    """Modules (with their subtrees) and parameters the instance never shards."""
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError("pass ignored_modules or ignored_states, not both")
+    items = list(ignored_states if ignored_states is not None else ignored_modules or ())
+    params = {x for x in items if isinstance(x, nn.Parameter)}
+    roots = [x for x in items if isinstance(x, nn.Module)]
+    if params and roots or len(params) + len(roots) != len(items):
+        raise ValueError(
+            "ignored_states must be all nn.Parameters or all nn.Modules, got "
+            f"{sorted({type(x).__name__ for x in items})}"
+        )
+    modules: set[nn.Module] = set()
+    for root in roots:
+        for sub in root.modules():
+            if isinstance(sub, wrapper_cls):
+                raise ValueError(
+                    f"an ignored module may not contain {wrapper_cls.__name__} instances"
+                )
+            modules.add(sub)
+    for sub in modules:
+        params.update(sub.parameters(recurse=False))
+    return modules, params
+
+
+def materialize(
+    module: nn.Module,
+    param_init_fn: Callable[[nn.Module], None] | None,
+    device: torch.device,
+    ignored_modules: set[nn.Module],
+    wrapper_cls: type,
+) -> None:
+    """Modules built on the meta device get real storage, once each."""
+    for sub in _unwrapped_modules(module, ignored_modules, wrapper_cls):
+        tensors = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
+        if not any(t.is_meta for t in tensors):
+            continue
+        if param_init_fn is not None:
+            param_init_fn(sub)
+            continue
+        sub.to_empty(device=device, recurse=False)
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+def _unwrapped_modules(module, ignored_modules, wrapper_cls) -> list[nn.Module]:
+    """``module``'s tree without ignored subtrees and without nested wrappers' trees."""
+    found = []
+
+    def visit(m: nn.Module) -> None:
+        if m in ignored_modules or (m is not module and isinstance(m, wrapper_cls)):
+            return
+        found.append(m)
+        for child in m.children():
+            visit(child)
+
+    visit(module)
+    return found
+
+
+def managed_params(module, ignored_modules, ignored_params, wrapper_cls, wrapped_name):
+    """``[(param, [(owner module, attribute name, fqn), ...])]`` this instance flattens."""
+    entries: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
+    prefixes = {id(module): ""}
+    for sub in _unwrapped_modules(module, ignored_modules, wrapper_cls):
+        prefix = prefixes[id(sub)]
+        for child_name, child in sub.named_children():
+            prefixes.setdefault(id(child), f"{prefix}{child_name}.")
+        for name, param in sub._parameters.items():
+            if param is None or param in ignored_params or name == wrapped_name:
+                continue
+            entry = entries.setdefault(id(param), (param, []))
+            entry[1].append((sub, name, f"{prefix}{name}"))
+    return list(entries.values())
+
+
+def move_to_device(
+    modules: list[nn.Module], device: torch.device, offload: bool, wrapper_cls
+) -> None:
+    """Parameters and buffers of the instance's own modules onto the compute device."""
+    for sub in modules:
+        for name, param in sub._parameters.items():
+            if param is not None and param.device != device and not param.is_meta:
+                if param.device.type != "cpu" and param.device != device:
+                    raise ValueError(
+                        f"a parameter is on {param.device} but device_id is {device}; move "
+                        "the module or pass a matching device_id"
+                    )
+                with torch.no_grad():
+                    param.data = param.data.to(device)
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.device != device and not buffer.is_meta:
+                sub._buffers[name] = buffer.to(device)
+
+
+def sync_module_states(
+    params: list[nn.Parameter], buffers: list[torch.Tensor], mesh_info: MeshInfo
+) -> None:
+    """Broadcast rank 0's parameters and buffers (per group: replicate first for hybrid)."""
+    tensors = [t for t in [*params, *buffers] if not t.is_meta]
+    groups = []
+    if mesh_info.replicate_group is not None:
+        groups.append(mesh_info.replicate_group)
+    if mesh_info.shard_group is not None:
+        groups.append(mesh_info.shard_group)
+    with torch.no_grad():
+        for group in groups:
+            src = dist.get_global_rank(group, 0)
+            for tensor in tensors:
+                comms.broadcast(tensor.data, src, group)
+
+
+def warn_no_shard(strategy: ShardingStrategy, world_size: int) -> ShardingStrategy:
+    if strategy is ShardingStrategy.NO_SHARD:
+        warnings.warn(
+            "ShardingStrategy.NO_SHARD is deprecated (as in torch); use DistributedDataParallel",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return strategy
