@@ -236,7 +236,7 @@ def move_to_device(
 ) -> None:
     """Parameters and buffers of the instance's own modules onto the compute device."""
     for sub in modules:
-        for name, param in sub._parameters.items():
+        for param in sub._parameters.values():
             if param is not None and param.device != device and not param.is_meta:
                 if param.device.type != "cpu" and param.device != device:
                     raise ValueError(
