@@ -14,6 +14,18 @@ backward: pre-backward on the first output gradient (unshard, prefetch the group
           before us) -> module backward -> post-backward when input gradients are ready
           (reduce-scatter) -> final callback once backward is done (finish groups that
           never saw a post-backward, wait for reductions).
+
+[Note: grouped fully_shard]
+``fully_shard([a, b])`` gives ``a`` and ``b`` one group, gathered and reduced once per
+pass. The pre-forward hook of the first listed module to run opens a group pass (gather,
+and the post-backward hook on *its* inputs); the others only wait for the gather. The
+pass closes when every listed module has finished forward (or, for those that never ran,
+in the forward root's post-forward). Backward runs the modules in reverse, so the
+post-backward on the first module's inputs fires after all of them: one reduce-scatter.
+Every listed module's output carries a pre-backward hook, but the group stays in
+``PRE_BACKWARD`` until that post-backward, so only the first hook to fire gathers. A
+module that runs alone again after its pass closed (a chunked loss calling ``head`` per
+chunk) opens a new pass and registers its own post-backward.
 """
 
 from __future__ import annotations
@@ -147,12 +159,13 @@ class FSDPState:
         self.training_state = TrainingState.FORWARD
         args, kwargs = self._cast_inputs(args, kwargs)
         if self.group is not None:
-            if not self._modules_in_forward:
-                # The first listed module to enter forward: the group's post-forward waits
-                # for all of them, so a grouped call gathers once per forward.
+            # See [Note: grouped fully_shard].
+            entering_group = not self._modules_in_forward
+            if entering_group:
                 self._modules_in_forward.update(self.modules)
             self.group.pre_forward()
-            args, kwargs = register_post_backward(self.group.post_backward, args, kwargs)
+            if entering_group:
+                args, kwargs = register_post_backward(self.group.post_backward, args, kwargs)
         for target in self.forward_prefetch:
             if target.group is not None:
                 target.group.unshard()
