@@ -250,7 +250,10 @@ def _raise_for_outcomes(
         for rank in unstoppable
     ]
     if aborted:
-        sections.append(f"ranks {aborted} stopped with CollectiveAborted as a consequence")
+        # One line each: the collective the rank was in, and why it was aborted.
+        lines = [f"ranks {aborted} stopped with CollectiveAborted as a consequence:"]
+        lines += [f"  rank {rank}: {outcomes[rank].error}" for rank in aborted]
+        sections.append("\n".join(lines))
         if not failed and not stacks:  # no cause on record: show what the ranks saw
             sections.append(f"rank {aborted[0]}:\n{outcomes[aborted[0]].traceback}")
     failures = {rank: outcome.error for rank, outcome in outcomes.items()}

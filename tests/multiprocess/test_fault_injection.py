@@ -238,6 +238,8 @@ def test_sleep_forever(harness: type[unittest.TestCase]) -> None:
     else:
         late = f"rank 1 did not finish within {_HANG_TIMEOUT_S:g}s; its stack then:"
         assert re.search(re.escape(late) + r"(\n.*)*time\.sleep\(3600\)", message), message
+        # Rank 0's collective, aborted by the harness or timed out by the group.
+        assert "barrier() on rank 0 (collective #1 on group '0', global ranks [0, 1])" in message
 
 
 _HANGING_TEST = """
