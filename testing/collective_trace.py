@@ -118,7 +118,10 @@ class CollectiveRecorder:
     def record(self, group: dist.ProcessGroup, op: str) -> None:
         name = group.group_name
         if name not in self._ranks:
-            self._ranks[name] = dist.get_process_group_ranks(group)
+            try:
+                self._ranks[name] = dist.get_process_group_ranks(group)
+            except KeyError:  # a group c10d does not know: its ranks are not on record
+                self._ranks[name] = []
         seq = self._counts.get(name, 0)
         self._counts[name] = seq + 1
         last = {"op": op, "group": name, "ranks": self._ranks[name], "seq": seq}
