@@ -266,14 +266,23 @@ def local_data_parallel_step(
 
 
 @contextlib.contextmanager
-def gradient_sync_off(module: nn.Module) -> Iterator[None]:
+def gradient_sync_off(module: nn.Module, *, reshard_after_backward: bool = True) -> Iterator[None]:
     """No gradient reduction while open (``set_requires_gradient_sync``); a ``no_sync``
-    for :func:`check_train_parity` with ``FSDPModule``s."""
+    for :func:`check_train_parity` with ``FSDPModule``s.
+
+    With ``reshard_after_backward=False`` the parameters also stay unsharded after each
+    backward while open (``set_reshard_after_backward``, back to ``True`` on exit), so the
+    next microbatch's forward need not gather them again.
+    """
     module.set_requires_gradient_sync(False)  # type: ignore[operator]
+    if not reshard_after_backward:
+        module.set_reshard_after_backward(False)  # type: ignore[operator]
     try:
         yield
     finally:
         module.set_requires_gradient_sync(True)  # type: ignore[operator]
+        if not reshard_after_backward:
+            module.set_reshard_after_backward(True)  # type: ignore[operator]
 
 
 @contextlib.contextmanager
