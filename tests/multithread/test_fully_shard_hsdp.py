@@ -8,8 +8,6 @@ ranks ``{0, 1}`` and ``{2, 3}`` in shard groups and ``{0, 2}``, ``{1, 3}`` in re
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,7 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from reffsdp import MixedPrecisionPolicy
 from reffsdp.core.comms import Collective
 from reffsdp.testing.build import reference_and_model, shard_bottom_up
-from reffsdp.testing.comm_counter import CommCounter
+from reffsdp.testing.comm_counter import CommCounter, all_gather_numel
 from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.meshes import mesh_hsdp
 from reffsdp.testing.models import MLPBlocks
@@ -44,13 +42,8 @@ make_inputs = random_inputs(2, DIM)
 
 def group_padded_numels(model: MLPBlocks, shard_size: int) -> list[int]:
     """Elements of each group's all-gather output (= reduce-scatter input), root first."""
-
-    def padded(params) -> int:
-        return sum(
-            shard_size * math.ceil(p.shape[0] / shard_size) * math.prod(p.shape[1:]) for p in params
-        )
-
-    return [padded(model.proj.parameters())] + [padded(m.parameters()) for m in model.layers]
+    groups = [model.proj, *model.layers]
+    return [all_gather_numel([p.shape for p in g.parameters()], shard_size) for g in groups]
 
 
 def hsdp_blocks(mesh, **fsdp_kwargs) -> tuple[MLPBlocks, MLPBlocks]:
