@@ -94,6 +94,17 @@ class TestStateDicts(FSDPTestMultiThread):
         mesh = mesh or init_device_mesh("cpu", (self.world_size,))
         return ref, shard(model, mesh, **fsdp_kwargs)
 
+    def _check_training_continues(self, ref, ref_optim, model, optim, steps) -> None:
+        """Train ``model`` and the reference on: same losses each step, same weights after."""
+        for step in steps:
+            ref_losses = local_data_parallel_step(
+                ref, ref_optim, make_inputs, step, self.world_size
+            )
+            self.assertAlmostEqual(
+                train_step(model, optim, make_inputs(step, self.rank)), ref_losses[self.rank], 5
+            )
+        check_state_dict_parity(self, ref, model)
+
     def test_model_state_dict_sharded_and_full(self):
         ref, model = self._ref_and_model()
         ref_optim, optim = sgd(ref.parameters()), sgd(model.parameters())
@@ -199,16 +210,7 @@ class TestStateDicts(FSDPTestMultiThread):
         other_optim = adam(other.parameters())
         set_model_state_dict(other, get_model_state_dict(model))
         set_optimizer_state_dict(other, other_optim, sharded)
-        for step in (2, 3):
-            ref_losses = local_data_parallel_step(
-                ref, ref_optim, make_inputs, step, self.world_size
-            )
-            self.assertAlmostEqual(
-                train_step(other, other_optim, make_inputs(step, self.rank)),
-                ref_losses[self.rank],
-                5,
-            )
-        check_state_dict_parity(self, ref, other)
+        self._check_training_continues(ref, ref_optim, other, other_optim, steps=(2, 3))
 
     def test_dcp_save_load_round_trip(self):
         ref, model = self._ref_and_model()
@@ -222,16 +224,7 @@ class TestStateDicts(FSDPTestMultiThread):
             other_optim = sgd(other.parameters())
             load_train_state(other, other_optim, path)
             check_state_dict_parity(self, ref, other)
-            for step in (1, 2):
-                ref_losses = local_data_parallel_step(
-                    ref, ref_optim, make_inputs, step, self.world_size
-                )
-                self.assertAlmostEqual(
-                    train_step(other, other_optim, make_inputs(step, self.rank)),
-                    ref_losses[self.rank],
-                    5,
-                )
-            check_state_dict_parity(self, ref, other)
+            self._check_training_continues(ref, ref_optim, other, other_optim, steps=(1, 2))
         finally:
             dist.barrier()
             if self.rank == 0:
