@@ -7,7 +7,8 @@ Downstream projects import it as ``reffsdp.testing``::
 ``python -m reffsdp.testing`` runs the parity suite (sharded training against DDP).
 """
 
-from .comm_counter import CommCounter
+from .build import fsdp_modules, reference_and_model, shard_bottom_up
+from .comm_counter import CommCounter, all_gather_numel
 from .common import DistributedTestMixin
 from .fake_pg import FakeStore, fake_process_group
 from .inputs import random_inputs, random_tokens
@@ -27,13 +28,24 @@ from .multithread import FSDPTestMultiThread, run_threaded
 from .parity import (
     LowPrecisionCompute,
     Passthrough,
+    all_reduce_off,
     broadcast_params_from_rank0,
     check_sharded_parity,
+    check_state_dict_parity,
     check_train_parity,
+    gradient_sync_off,
     sgd_with_momentum,
     sum_loss,
 )
-from .patching import patch_all_gather, patch_all_reduce, patch_broadcast, patch_reduce_scatter
+from .patching import (
+    count_all_gathers,
+    observe_all_gathers,
+    observe_reduce_scatters,
+    patch_all_gather,
+    patch_all_reduce,
+    patch_broadcast,
+    patch_reduce_scatter,
+)
 
 __all__ = [
     "MLP",
@@ -50,22 +62,32 @@ __all__ = [
     "MLPStack",
     "ModelArgs",
     "Transformer",
+    "all_gather_numel",
+    "all_reduce_off",
     "broadcast_params_from_rank0",
     "check_sharded_parity",
+    "check_state_dict_parity",
     "check_train_parity",
+    "count_all_gathers",
     "fake_process_group",
+    "fsdp_modules",
+    "gradient_sync_off",
     "init_deterministic",
     "mesh_1d",
     "mesh_dp_tp",
     "mesh_hsdp",
     "mesh_nd",
+    "observe_all_gathers",
+    "observe_reduce_scatters",
     "patch_all_gather",
     "patch_all_reduce",
     "patch_broadcast",
     "patch_reduce_scatter",
     "random_inputs",
     "random_tokens",
+    "reference_and_model",
     "run_threaded",
     "sgd_with_momentum",
+    "shard_bottom_up",
     "sum_loss",
 ]

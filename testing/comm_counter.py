@@ -38,9 +38,10 @@ counter sees only its own rank. Counters nest; every open counter on the thread 
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -95,6 +96,19 @@ _COUNTED_OPS: dict[tuple[str, str], tuple[Collective, int | str | None]] = {
     ("_c10d_functional", "broadcast_"): (Collective.BROADCAST, 0),
     ("_c10d_functional", "all_to_all_single"): (Collective.ALL_TO_ALL, 0),
 }
+
+
+def all_gather_numel(shapes: Sequence[Sequence[int]], world_size: int) -> int:
+    """Elements in the all-gather output (= reduce-scatter input) of one FSDP parameter group.
+
+    Each parameter contributes ``world_size`` shards of ``ceil(dim0 / world_size)`` rows,
+    the last ones padded: two ranks, shapes ``[(5, 3), (5,)]`` give ``2 * 3 * 3 + 2 * 3``
+    = 24. Computed from the shapes alone, so tests can check reffsdp's byte counts against
+    it without trusting reffsdp's sharding math.
+    """
+    return sum(
+        world_size * math.ceil(shape[0] / world_size) * math.prod(shape[1:]) for shape in shapes
+    )
 
 
 def counted_op_names() -> list[str]:

@@ -32,6 +32,10 @@ failing rank's number and traceback. Once a rank has stopped abnormally the othe
 ``_GRACE_S`` seconds to report and are then killed, since they are probably waiting for it.
 A test running past ``timeout_s`` fails with the Python stacks of the ranks still running
 (``faulthandler`` dumps them on SIGUSR1 before they are killed): they show where it hangs.
+Ranks whose collectives cannot match (one rank's n-th collective on a group differs from
+another's) are stopped at once, with their stacks, instead of waiting for the timeout. Every
+failure names each failing rank's last collective and the collectives some ranks issued and
+others did not: see [Note: collective trace] in ``collective_trace.py``.
 A failing ``subTest`` ends its rank's test instead of being recorded and passed over: a rank
 that went on to the next subtest would issue collectives its peers do not match.
 
@@ -39,8 +43,9 @@ that went on to the next subtest would issue collectives its peers do not match.
 A rank process must import torch, which takes seconds. Spawning a fresh interpreter per rank
 cost about 2.4 s per test on a 2-core machine, so rank processes come from a
 ``forkserver`` instead: a server process, itself started fresh (it never inherits the
-pytest process's threads or CUDA state), imports torch and DTensor once, and each rank
-process is forked from it, then given what a spawned one would inherit from the pytest
+pytest process's threads or CUDA state), imports torch, DTensor and dynamo (which the first
+DTensor a process builds imports, about a second's work) once, and each rank process is
+forked from it, then given what a spawned one would inherit from the pytest
 process: ``sys.path``, the environment, stdout and stderr (so pytest captures what ranks
 print). A test then costs 0.1-0.2 s of harness time at world size 2 (0.6 s at 8), group
 set-up and exit included; the server's start, about 1.5 s, is paid once per session. The
@@ -48,11 +53,24 @@ server imports nothing that initializes CUDA, which a forked child could not use
 rank processes alive across tests (torch's ``FSDPTestContinuous``) would save little more
 and would let state leak from one test into the next, so every test gets fresh processes.
 Passing ranks meet at a last barrier before tearing their group down (``_leave_together``).
+
+[Note: rank processes never outlive pytest]
+A rank left behind would hold a core until its collectives time out, so each rank process
+ends with the pytest process however that ends. When pytest fails a test, is interrupted
+(SIGINT) or stops a test, it ends the test's ranks itself (``_RankProcesses.close``). When
+pytest is killed (SIGKILL, or SIGTERM, which Python does not handle) it cannot, so every rank
+watches for it from a thread: pytest never writes to a rank's pipe, so the pipe turning
+readable means end-of-file, pytest gone, and the rank exits. On Linux the kernel backs this
+up: a rank asks for SIGKILL when its parent, the fork server, dies (``PR_SET_PDEATHSIG``),
+which covers a rank whose main thread holds the interpreter lock, and the fork server ends
+when pytest does. The fork server's resource tracker ends once pytest, the fork server and
+the ranks have all gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import faulthandler
 import functools
@@ -64,6 +82,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import unittest
@@ -77,12 +96,23 @@ from typing import Any, ClassVar, TypeVar
 import torch
 import torch.distributed as dist
 
+from reffsdp.testing.collective_trace import (
+    CollectiveRecorder,
+    RankTrace,
+    find_mismatch,
+    find_unmatched,
+    read_trace,
+)
 from reffsdp.testing.common import DistributedTestMixin, device_type_under_test
 from reffsdp.testing.fake_pg import fake_process_group
 
-_PRELOADED = ["torch", "torch.distributed.tensor"]  # by the fork server: [Note: start-up cost]
+# Imported by the fork server: [Note: start-up cost].
+_PRELOADED = ["torch", "torch.distributed.tensor", "torch._dynamo"]
 _GRACE_S = 2.0  # once a rank stops abnormally, how long the others get to report
 _STACK_DUMP_WAIT_S = 2.0  # how long a hung rank may take to write its stacks
+_POLL_S = 0.1  # how often the pytest process looks for mismatched collectives
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_ORPHANED_EXIT_CODE = 70  # a rank that found the pytest process gone
 
 _running_in_rank = False  # set in rank processes; see [Note: how a test method reaches ...]
 
@@ -101,6 +131,7 @@ class _Outcome(enum.Enum):
     SKIPPED = "skipped"
     DIED = "exited without reporting"
     TIMED_OUT = "timed out"
+    MISMATCHED = "was stopped: the ranks' collectives cannot match"
     STOPPED = "was stopped after another rank stopped"
 
 
@@ -159,6 +190,7 @@ class _RankConfig:
     device_type: str
     store_path: str
     stack_path: str
+    trace_path: str
     timeout_s: float
     environment: dict[str, str]
 
@@ -170,11 +202,14 @@ def _rank_main(config: _RankConfig, conn: Connection, stdout: DupFd, stderr: Dup
     """A rank process: build the default group, run the test, report how it went."""
     global _running_in_rank
     _running_in_rank = True
+    _exit_with_pytest(conn)
     # The fork server's environment and output streams are those it started with.
     os.environ.clear()
     os.environ.update(config.environment)
     os.dup2(stdout.detach(), 1)
     os.dup2(stderr.detach(), 2)
+    recorder = CollectiveRecorder(config.trace_path)
+    recorder.install()
     with open(config.stack_path, "w") as stack_file:
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
         try:
@@ -188,10 +223,23 @@ def _rank_main(config: _RankConfig, conn: Connection, stdout: DupFd, stderr: Dup
             report = _run_test(case, config.rank)
             conn.send(report)
             if report.outcome is _Outcome.PASSED and dist.is_initialized():
+                recorder.closing = True
                 _leave_together()
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _exit_with_pytest(conn: Connection) -> None:
+    """End this rank process soon after the pytest process; see [Note: rank processes ...]."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    def exit_once_pytest_is_gone() -> None:
+        wait([conn])  # readable only at end-of-file: pytest never writes to a rank
+        os._exit(_ORPHANED_EXIT_CODE)
+
+    threading.Thread(target=exit_once_pytest_is_gone, name="exit-with-pytest", daemon=True).start()
 
 
 def _init_default_group(config: _RankConfig) -> None:
@@ -255,8 +303,8 @@ class _RankProcesses:
         try:
             for rank in range(world_size):
                 config = _RankConfig(
-                    test, rank, world_size, device_type, store_path,
-                    self._stack_path(rank), timeout_s, dict(os.environ),
+                    test, rank, world_size, device_type, store_path, self._stack_path(rank),
+                    self._trace_path(rank), timeout_s, dict(os.environ),
                 )  # fmt: skip
                 ours, theirs = context.Pipe()
                 process = context.Process(
@@ -276,22 +324,34 @@ class _RankProcesses:
     def _stack_path(self, rank: int) -> str:
         return os.path.join(self._dir, f"stacks-rank{rank}.txt")
 
+    def _trace_path(self, rank: int) -> str:
+        return os.path.join(self._dir, f"collectives-rank{rank}.json")
+
+    def traces(self) -> dict[int, RankTrace]:
+        """What each rank that issued a collective issued; see [Note: collective trace]."""
+        found = (read_trace(self._trace_path(rank), rank) for rank in range(len(self._conns)))
+        return {trace.rank: trace for trace in found if trace is not None}
+
     def wait_for_reports(self, timeout_s: float) -> list[_Report]:
         """Every rank's report, in the order they arrived; see [Note: outcomes]."""
         waiting = dict(enumerate(self._conns))
         reports: list[_Report] = []
         deadline = time.monotonic() + timeout_s
         while waiting:
-            ready = wait(list(waiting.values()), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                abnormal = any(report.outcome is not _Outcome.PASSED for report in reports)
-                reports += self._stopped(sorted(waiting), timed_out=not abnormal, after=timeout_s)
-                break
+            poll_s = min(_POLL_S, max(0.0, deadline - time.monotonic()))
+            ready = wait(list(waiting.values()), timeout=poll_s)
             for rank in [rank for rank, conn in waiting.items() if conn in ready]:
                 del waiting[rank]
                 reports.append(self._receive(rank))
                 if reports[-1].outcome is not _Outcome.PASSED:
                     deadline = min(deadline, time.monotonic() + _GRACE_S)
+            if waiting and find_mismatch(self.traces()) is not None:
+                return reports + self._stopped(sorted(waiting), _Outcome.MISMATCHED)
+            if waiting and time.monotonic() >= deadline:
+                if any(report.outcome is not _Outcome.PASSED for report in reports):
+                    return reports + self._stopped(sorted(waiting), _Outcome.STOPPED)
+                why = f"still running after {timeout_s} s"
+                return reports + self._stopped(sorted(waiting), _Outcome.TIMED_OUT, why)
         return reports
 
     def _receive(self, rank: int) -> _Report:
@@ -304,10 +364,10 @@ class _RankProcesses:
         self._reported.add(rank)
         return report
 
-    def _stopped(self, ranks: list[int], *, timed_out: bool, after: float) -> list[_Report]:
-        """Reports for ranks still running; for a timeout, with their Python stacks."""
-        if not timed_out:
-            return [_Report(rank, _Outcome.STOPPED) for rank in ranks]
+    def _stopped(self, ranks: list[int], outcome: _Outcome, why: str = "") -> list[_Report]:
+        """Reports for ranks still running; but for ``STOPPED``, with their Python stacks."""
+        if outcome is _Outcome.STOPPED:
+            return [_Report(rank, outcome) for rank in ranks]
         for rank in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self._processes[rank].pid, signal.SIGUSR1)
@@ -317,8 +377,8 @@ class _RankProcesses:
         reports = []
         for rank in ranks:
             stacks = self._stacks(rank) or "(none written: the rank had not got that far)\n"
-            detail = f"still running after {after} s; its stacks:\n{stacks}"
-            reports.append(_Report(rank, _Outcome.TIMED_OUT, detail))
+            detail = f"{why}; its stacks:\n{stacks}" if why else f"its stacks:\n{stacks}"
+            reports.append(_Report(rank, outcome, detail))
         return reports
 
     def _stacks(self, rank: int) -> str:
@@ -344,12 +404,23 @@ class _RankProcesses:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _failure_message(reports: list[_Report], world_size: int) -> str:
-    """Every rank that did not pass, the first to stop first: it is usually the cause."""
+def _failure_message(reports: list[_Report], world_size: int, traces: dict[int, RankTrace]) -> str:
+    """Every rank that did not pass, the first to stop first: it is usually the cause.
+
+    Collectives that cannot match, or that some ranks issued and others did not, come
+    before the ranks: they name the culprit of a hang. See [Note: collective trace].
+    """
     failed = [report for report in reports if report.outcome is not _Outcome.PASSED]
     sections = [f"{len(failed)} of {world_size} ranks did not pass (first to stop first)"]
+    mismatch = find_mismatch(traces)
+    findings = ([mismatch] if mismatch else []) + find_unmatched(traces)
+    if findings:
+        sections.append("\n".join(["collectives:", *(f"  {finding}" for finding in findings)]))
     for report in failed:
-        sections.append(f"---- rank {report.rank} {report.outcome.value} ----\n{report.detail}")
+        trace = traces.get(report.rank)
+        last = f"its last collective: {trace.last.describe()}" if trace else "no collective issued"
+        header = f"---- rank {report.rank} {report.outcome.value} ----"
+        sections.append(f"{header}\n{last}\n{report.detail}")
     return "\n\n".join(section.rstrip() for section in sections)
 
 
@@ -427,6 +498,7 @@ class FSDPTest(DistributedTestMixin, unittest.TestCase):
         ranks = _RankProcesses(_TestAddress.of(self), self.world_size, device_type, self.timeout_s)
         try:
             reports = ranks.wait_for_reports(self.timeout_s)
+            traces = ranks.traces()
         finally:
             ranks.close()
         first_abnormal = next((r for r in reports if r.outcome is not _Outcome.PASSED), None)
@@ -434,7 +506,7 @@ class FSDPTest(DistributedTestMixin, unittest.TestCase):
             return
         if first_abnormal.outcome is _Outcome.SKIPPED:
             raise unittest.SkipTest(first_abnormal.detail)
-        self.fail(_failure_message(reports, self.world_size))
+        self.fail(_failure_message(reports, self.world_size, traces))
 
 
 def _do_nothing() -> None:

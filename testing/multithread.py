@@ -18,17 +18,38 @@ Caveats of ranks that share one process
   class, so attributes set in ``setUp`` (which runs on the main thread) are not there; use
   ``perThreadSetUp``/``perThreadTearDown`` for per-rank setup.
 * **Collectives serialize** and complete when issued (see [Note: threaded rendezvous]).
+
+[Note: stopping a rank thread]
+Python cannot kill a thread, yet a rank thread still running at the deadline must not live
+on into later tests, where it would issue collectives or touch shared state. So once the
+deadline passes, :func:`run_threaded` wakes and ends the late ranks:
+
+1. the job is aborted, so ranks waiting in a collective raise ``CollectiveAborted``;
+2. ``time.sleep`` in a rank thread waits on the run's stop event (for the length of a run
+   ``time.sleep`` is replaced, and rank threads' calls go to that event), so it returns
+   early and raises :class:`RankStopped`;
+3. after ``_UNWIND_GRACE_S``, a rank still inside its test gets ``RankStopped`` raised in
+   its thread (``PyThreadState_SetAsyncExc``), again every ``_RETRY_S`` until it ends or
+   ``_STOP_S`` has passed. That ends a rank spinning in Python code.
+
+The failure names every late rank, with its stack at the deadline. A rank blocked in C
+code with no timeout (say ``threading.Event().wait()``) cannot be woken: the failure says
+so, and the pending ``RankStopped`` ends it the moment it runs Python code again, before it
+can touch anything. ``time.sleep`` bound under another name (``from time import sleep``) is
+not replaced and, for a sleep longer than the run, is such a case.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import sys
 import threading
 import time
 import traceback
 import unittest
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -43,8 +64,20 @@ from reffsdp.testing.threaded_pg import (
     register_threaded_backend,
 )
 
-# How long ranks that are still running at the deadline get to unwind after the abort.
-_UNWIND_GRACE_S = 5.0
+# Ending ranks still running at the deadline; see [Note: stopping a rank thread].
+_UNWIND_GRACE_S = 1.0  # to unwind after the abort before being interrupted
+_RETRY_S = 0.2  # between two interruptions of a rank that is still running
+_STOP_S = 5.0  # in all, before a rank that will not end is reported as such
+
+# In a rank thread, ``.stop``: the run's stop event; see [Note: stopping a rank thread].
+_rank_thread = threading.local()
+
+
+class RankStopped(BaseException):
+    """Raised in a rank thread still running at its run's deadline, to end it.
+
+    A ``BaseException``, so that a test's ``except Exception`` does not swallow it.
+    """
 
 
 class RankFailure(RuntimeError):
@@ -75,7 +108,9 @@ def run_threaded(fn: Callable[[int], None], world_size: int, *, timeout_s: float
     register_threaded_backend()
     store = dist.HashStore()
     job = ThreadedJob.for_store(store)
+    stop = threading.Event()
     outcomes: dict[int, _RankOutcome] = {}
+    in_test: set[int] = set()  # ranks that may be interrupted: not yet cleaning up
 
     def record_failure(rank: int, exc: BaseException) -> None:
         outcomes.setdefault(rank, _RankOutcome(exc, traceback.format_exc()))
@@ -85,25 +120,34 @@ def run_threaded(fn: Callable[[int], None], world_size: int, *, timeout_s: float
         # Abort before destroying the group: peers must see a failure as an abort (a
         # consequence), not as this rank leaving the group early (a bug of its own).
         prepare_rank_thread()
+        _rank_thread.stop = stop
+        world = dist.distributed_c10d._world  # this run's (see threaded_world)
+        in_test.add(rank)
         try:
-            dist.init_process_group(
-                BACKEND_NAME,
-                rank=rank,
-                world_size=world_size,
-                store=store,
-                timeout=timedelta(seconds=timeout_s),
-            )
-            fn(rank)
+            try:
+                dist.init_process_group(
+                    BACKEND_NAME,
+                    rank=rank,
+                    world_size=world_size,
+                    store=store,
+                    timeout=timedelta(seconds=timeout_s),
+                )
+                fn(rank)
+            finally:
+                in_test.discard(rank)
         except BaseException as exc:  # reported by the main thread
             record_failure(rank, exc)
         finally:
             try:
-                if dist.is_initialized():  # the test may have destroyed it already
-                    dist.destroy_process_group()
+                # A rank ended late may get here after the run has put c10d's own world
+                # back (see [Note: stopping a rank thread]): that world is not its to touch.
+                if dist.distributed_c10d._world is world and dist.is_initialized():
+                    dist.destroy_process_group()  # unless the test destroyed it already
             except BaseException as exc:
                 record_failure(rank, exc)
 
-    with threaded_world():
+    unstoppable: list[int] = []
+    with threaded_world(), _sleep_ends_with_the_run():
         threads = [
             threading.Thread(target=rank_main, args=(rank,), name=f"rank{rank}", daemon=True)
             for rank in range(world_size)
@@ -113,9 +157,10 @@ def run_threaded(fn: Callable[[int], None], world_size: int, *, timeout_s: float
         stuck = _join_until(threads, time.monotonic() + timeout_s)
         stacks = {rank: _stack_of(threads[rank]) for rank in stuck}
         if stuck:
-            job.abort(f"the run timed out after {timeout_s:.0f}s")
-            _join_until(threads, time.monotonic() + _UNWIND_GRACE_S)
-    _raise_for_outcomes(outcomes, stacks, timeout_s)
+            job.abort(f"the run timed out after {timeout_s:g}s")
+            stop.set()
+            unstoppable = _end_late_ranks(threads, in_test)
+    _raise_for_outcomes(outcomes, stacks, timeout_s, unstoppable)
 
 
 def _join_until(threads: list[threading.Thread], deadline: float) -> list[int]:
@@ -125,34 +170,90 @@ def _join_until(threads: list[threading.Thread], deadline: float) -> list[int]:
     return [index for index, thread in enumerate(threads) if thread.is_alive()]
 
 
+def _end_late_ranks(threads: list[threading.Thread], in_test: set[int]) -> list[int]:
+    """End the rank threads still running; return the ranks that would not end.
+
+    See [Note: stopping a rank thread]; the job is aborted and the stop event set already.
+    """
+    start = time.monotonic()
+    late = _join_until(threads, start + _UNWIND_GRACE_S)
+    while late and time.monotonic() < start + _STOP_S:
+        for rank in late:
+            if rank in in_test:
+                _raise_in_thread(threads[rank], RankStopped)
+        alive = _join_until([threads[rank] for rank in late], time.monotonic() + _RETRY_S)
+        late = [late[index] for index in alive]
+    return late
+
+
+def _raise_in_thread(thread: threading.Thread, exc_type: type[BaseException]) -> None:
+    """Make ``thread`` raise ``exc_type`` when it next runs Python code."""
+    assert thread.ident is not None
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread.ident), ctypes.py_object(exc_type)
+    )
+
+
+@contextlib.contextmanager
+def _sleep_ends_with_the_run() -> Iterator[None]:
+    """Make ``time.sleep`` in rank threads end early, with ``RankStopped``, once stopped."""
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        stop = getattr(_rank_thread, "stop", None)
+        if stop is None or seconds < 0:  # not a rank thread, or an error for time.sleep
+            real_sleep(seconds)
+        elif stop.wait(seconds):
+            raise RankStopped("the rank was still sleeping when its run was stopped")
+
+    time.sleep = sleep
+    try:
+        yield
+    finally:
+        time.sleep = real_sleep
+
+
 def _stack_of(thread: threading.Thread) -> str:
     frame = sys._current_frames().get(thread.ident)
     return "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
 
 
 def _raise_for_outcomes(
-    outcomes: dict[int, _RankOutcome], stacks: dict[int, str], timeout_s: float
+    outcomes: dict[int, _RankOutcome],
+    stacks: dict[int, str],
+    timeout_s: float,
+    unstoppable: list[int],
 ) -> None:
     """Turn what the ranks raised into one exception, causes first; return if all passed.
 
     ``CollectiveAborted`` is a consequence of another rank's failure or skip, so it is only
-    listed. Skips count when nothing else went wrong.
+    listed; ``RankStopped`` is how a late rank was ended, and its stack at the deadline
+    tells more. Skips count when nothing else went wrong.
     """
     ranks = sorted(outcomes)
     aborted = [r for r in ranks if isinstance(outcomes[r].error, CollectiveAborted)]
     skipped = [r for r in ranks if isinstance(outcomes[r].error, unittest.SkipTest)]
-    failed = [r for r in ranks if r not in aborted and r not in skipped]
+    stopped = [r for r in ranks if isinstance(outcomes[r].error, RankStopped)]
+    failed = [r for r in ranks if r not in aborted + skipped + stopped]
     if not failed and not stacks and (skipped or not aborted):
         if skipped:
             raise unittest.SkipTest(f"rank {skipped[0]}: {outcomes[skipped[0]].error}")
         return
     sections = [f"rank {rank} failed:\n{outcomes[rank].traceback}" for rank in failed]
     sections += [
-        f"rank {rank} did not finish within {timeout_s:.0f}s; its stack then:\n{stack}"
+        f"rank {rank} did not finish within {timeout_s:g}s; its stack then:\n{stack}"
         for rank, stack in sorted(stacks.items())
     ]
+    sections += [
+        f"rank {rank} could not be stopped: it is blocked outside Python code, and ends "
+        "(raising RankStopped) as soon as it runs Python code again"
+        for rank in unstoppable
+    ]
     if aborted:
-        sections.append(f"ranks {aborted} stopped with CollectiveAborted as a consequence")
+        # One line each: the collective the rank was in, and why it was aborted.
+        lines = [f"ranks {aborted} stopped with CollectiveAborted as a consequence:"]
+        lines += [f"  rank {rank}: {outcomes[rank].error}" for rank in aborted]
+        sections.append("\n".join(lines))
         if not failed and not stacks:  # no cause on record: show what the ranks saw
             sections.append(f"rank {aborted[0]}:\n{outcomes[aborted[0]].traceback}")
     failures = {rank: outcome.error for rank, outcome in outcomes.items()}

@@ -4,6 +4,8 @@
   shard by shard, with those of an unsharded reference model.
 * :func:`check_train_parity` trains a sharded model next to a ``DistributedDataParallel``
   reference and compares losses, gradients and parameters at every step.
+* :func:`check_state_dict_parity` compares a sharded model's state dict, gathered, with
+  the reference's.
 * :func:`broadcast_params_from_rank0` makes a model identical on every rank before a test
   copies and shards it (threads of the threaded harness share one RNG, so two ranks that
   build "the same" model get different weights).
@@ -82,6 +84,38 @@ def check_sharded_parity(
         ref_model, sharded_model, prefixes_to_ignore, require_dtensor=True, rtol=rtol, atol=atol
     )
     _agree_and_report(test_case, "check_sharded_parity", problems)
+
+
+def check_state_dict_parity(
+    test_case: unittest.TestCase | None,
+    ref_model: nn.Module,
+    sharded_model: nn.Module,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> None:
+    """Check that ``sharded_model.state_dict()`` gathers to ``ref_model.state_dict()``.
+
+    The names must match in order; every parameter's entry must be a DTensor, gathered
+    with ``full_tensor()``; buffers compare as they are. Fails like
+    :func:`check_sharded_parity`, and every rank of the default group must call it together.
+    """
+    state_dict, ref_state_dict = sharded_model.state_dict(), ref_model.state_dict()
+    names, ref_names = list(state_dict), list(ref_state_dict)
+    name_problems = [] if names == ref_names else [_name_mismatch(names, ref_names)]
+    _agree_and_report(test_case, "check_state_dict_parity", name_problems)
+    param_names = {name for name, _ in sharded_model.named_parameters()}
+    problems = []
+    for name, value in state_dict.items():
+        where = f"state dict entry {name!r} on rank {dist.get_rank()}"
+        if name in param_names and not isinstance(value, DTensor):
+            problems.append(f"{where}: a {type(value).__name__}, expected a DTensor")
+            continue
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        mismatch = _mismatch(full.detach(), ref_state_dict[name].detach(), rtol, atol)
+        if mismatch:
+            problems.append(f"{where}: {mismatch}")
+    _agree_and_report(test_case, "check_state_dict_parity", problems)
 
 
 def check_train_parity(
@@ -266,14 +300,23 @@ def local_data_parallel_step(
 
 
 @contextlib.contextmanager
-def gradient_sync_off(module: nn.Module) -> Iterator[None]:
+def gradient_sync_off(module: nn.Module, *, reshard_after_backward: bool = True) -> Iterator[None]:
     """No gradient reduction while open (``set_requires_gradient_sync``); a ``no_sync``
-    for :func:`check_train_parity` with ``FSDPModule``s."""
+    for :func:`check_train_parity` with ``FSDPModule``s.
+
+    With ``reshard_after_backward=False`` the parameters also stay unsharded after each
+    backward while open (``set_reshard_after_backward``, back to ``True`` on exit), so the
+    next microbatch's forward need not gather them again.
+    """
     module.set_requires_gradient_sync(False)  # type: ignore[operator]
+    if not reshard_after_backward:
+        module.set_reshard_after_backward(False)  # type: ignore[operator]
     try:
         yield
     finally:
         module.set_requires_gradient_sync(True)  # type: ignore[operator]
+        if not reshard_after_backward:
+            module.set_reshard_after_backward(True)  # type: ignore[operator]
 
 
 @contextlib.contextmanager

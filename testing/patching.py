@@ -28,7 +28,9 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from reffsdp.core.comms import Collective, intercept, torch_all_gather
+import torch
+
+from reffsdp.core.comms import Collective, intercept, torch_all_gather, torch_reduce_scatter
 
 
 def patch_all_gather(fn: Callable[..., Any]) -> AbstractContextManager[None]:
@@ -65,6 +67,35 @@ def patch_broadcast(fn: Callable[..., Any]) -> AbstractContextManager[None]:
     return intercept(Collective.BROADCAST, fn)
 
 
+def observe_all_gathers(
+    observer: Callable[[torch.Tensor, torch.Tensor, Any], None],
+) -> AbstractContextManager[None]:
+    """Call ``observer(output, input, group)`` at each of this rank's reffsdp all-gathers.
+
+    The observer runs just before the collective, which then runs unchanged. For tests that
+    record what is gathered, over which group, or what has happened by then.
+    """
+
+    def observed(output, input, group=None, async_op=False):
+        observer(output, input, group)
+        return torch_all_gather()(output, input, group=group, async_op=async_op)
+
+    return patch_all_gather(observed)
+
+
+def observe_reduce_scatters(
+    observer: Callable[[torch.Tensor, torch.Tensor, Any, Any], None],
+) -> AbstractContextManager[None]:
+    """Call ``observer(output, input, op, group)`` at each of this rank's reffsdp
+    reduce-scatters, just before the collective, which then runs unchanged."""
+
+    def observed(output, input, op=None, group=None, async_op=False):
+        observer(output, input, op, group)
+        return torch_reduce_scatter()(output, input, op=op, group=group, async_op=async_op)
+
+    return patch_reduce_scatter(observed)
+
+
 @contextlib.contextmanager
 def count_all_gathers() -> Iterator[list[int]]:
     """Count the all-gathers reffsdp issues on this rank; yields ``[count]``, kept current.
@@ -74,9 +105,8 @@ def count_all_gathers() -> Iterator[list[int]]:
     """
     count = [0]
 
-    def counting(output, input, group=None, async_op=False):
+    def counting(output, input, group):
         count[0] += 1
-        return torch_all_gather()(output, input, group=group, async_op=async_op)
 
-    with patch_all_gather(counting):
+    with observe_all_gathers(counting):
         yield count

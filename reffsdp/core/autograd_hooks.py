@@ -7,16 +7,63 @@
   when backward has left the module. Parameter gradients are accumulated before that:
   autograd runs ``AccumulateGrad`` nodes as soon as they are ready.
 * The final callback runs once the whole backward pass is done.
+
+Inputs and outputs are searched for tensors with :func:`tensors_in` / :func:`map_tensors`:
+pytree containers (tuples, lists, dicts, named tuples, registered classes) and, as torch's
+FSDP does, dataclass instances, which pytree treats as opaque leaves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_leaves, tree_map
+
+
+def _is_dataclass_instance(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _init_fields(value: Any) -> list[dataclasses.Field]:
+    # Fields with init=False cannot be passed to dataclasses.replace, so they are not searched.
+    return [f for f in dataclasses.fields(value) if f.init]
+
+
+def tensors_in(tree: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``tree``, in the order :func:`map_tensors` visits them."""
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif _is_dataclass_instance(leaf):
+            for f in _init_fields(leaf):
+                yield from tensors_in(getattr(leaf, f.name))
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """``tree`` with every tensor ``t`` replaced by ``fn(t)``, entering dataclass instances.
+
+    A dataclass whose tensors all map to themselves is returned as is; otherwise a copy is
+    made with ``dataclasses.replace`` (which runs its ``__init__``).
+    """
+
+    def visit(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return fn(leaf)
+        if not _is_dataclass_instance(leaf):
+            return leaf
+        changes = {}
+        for f in _init_fields(leaf):
+            old = getattr(leaf, f.name)
+            new = map_tensors(fn, old)
+            if new is not old:
+                changes[f.name] = new
+        return dataclasses.replace(leaf, **changes) if changes else leaf
+
+    return tree_map(visit, tree)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -41,16 +88,11 @@ def register_post_backward(hook: Callable[[], None], args: Any, kwargs: Any) -> 
     """
     if not torch.is_grad_enabled():
         return args, kwargs
-    leaves, spec = tree_flatten((args, kwargs))
-    positions = [
-        i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad
-    ]
-    if not positions:
+    inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+    if not inputs:
         return args, kwargs
-    outputs = _PostBackward.apply(hook, *(leaves[i] for i in positions))
-    for i, out in zip(positions, outputs):
-        leaves[i] = out
-    return tree_unflatten(leaves, spec)
+    outputs = iter(_PostBackward.apply(hook, *inputs))
+    return map_tensors(lambda t: next(outputs) if t.requires_grad else t, (args, kwargs))
 
 
 def register_pre_backward(
@@ -63,9 +105,8 @@ def register_pre_backward(
     """
     if not torch.is_grad_enabled():
         return output
-    leaves, _ = tree_flatten(output)
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+    for leaf in tensors_in(output):
+        if leaf.requires_grad:
             if leaf._base is not None:
                 warnings.warn(
                     f"{owner} returned a view tensor; an in-place op on it (e.g. `x += y`) "

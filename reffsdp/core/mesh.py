@@ -72,11 +72,15 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
     if mesh.ndim == 2:
         if mesh.mesh_dim_names is None:
             raise AssertionError(
-                "a 2D mesh for HSDP needs dim names, e.g. "
+                "a 2D mesh for HSDP needs mesh_dim_names, e.g. "
                 "init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
             )
         return MeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
-    raise ValueError(f"fully_shard expects a 1D (FSDP) or 2D (HSDP) mesh, got {mesh.ndim}D")
+    raise ValueError(
+        f"fully_shard expects a 1D or 2D DeviceMesh (FSDP or HSDP), got a {mesh.ndim}D mesh of "
+        f"shape {tuple(mesh.shape)}; for more dims, name the data-parallel ones with "
+        "dp_mesh_dims"
+    )
 
 
 def device_for(mesh: DeviceMesh) -> torch.device:

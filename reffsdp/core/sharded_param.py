@@ -92,26 +92,23 @@ class ShardedParam:
         device: torch.device,
         shard_dim: int = 0,
         *,
+        name: str | None = None,
         offload: bool = False,
         pin_memory: bool = False,
     ) -> None:
-        if param.dim() == 0:
-            raise ValueError(f"fully_shard cannot shard a scalar (0-dim) parameter: {refs[0]}")
-        if not param.is_contiguous():
-            raise NotImplementedError(
-                f"fully_shard needs contiguous parameters; {refs[0].name} has stride "
-                f"{param.stride()} for size {tuple(param.size())}"
-            )
         self.refs = refs
-        # Name under the root module, for messages; set by the root's lazy init.
+        # How messages name the parameter: its path under the module given to fully_shard,
+        # until the root's lazy init sets its name under the root (``root_fqn``).
+        self.name = name if name is not None else refs[0].name
         self.root_fqn: str | None = None
+        _check_shardable(param, shard_dim, mesh_info.shard_size, self.description)
         # Identity of the original parameter, to catch one tensor sharded by two groups.
         self.orig_param_uid = _original_uid(param)
         self.mesh_info = mesh_info
         self.device = device
-        self.shard_dim = shard_dim % param.dim()
+        self.shard_dim = shard_dim
         if mesh_info.spmd is not None:
-            mesh_info.spmd.check_param(param, self.shard_dim, refs[0].name)
+            mesh_info.spmd.check_param(param, self.shard_dim, self.description)
         # A DTensor parameter (tensor parallel): FSDP shards its local shard.
         self.tp_spec: TensorParallelSpec | None = None
         if isinstance(param, DTensor):
@@ -174,12 +171,16 @@ class ShardedParam:
         )
 
     def reset_sharded_param(self) -> None:
-        """Re-pad after something replaced the local tensor (``.to(dtype)``, ``to_empty``).
+        """Re-read the registered parameter and re-pad its local tensor if it changed.
 
-        ``nn.Module._apply`` swaps each DTensor's local tensor for a converted copy that no
-        longer views ``padded_shard``; copy it back into a padded buffer of the new dtype
-        and device so all-gathers and the optimizer keep sharing storage.
+        Runs at lazy init, after ``.to(dtype)``/``to_empty`` and after
+        ``load_state_dict(assign=True)``. The registered parameter may be a new one (see
+        [Note: replaced parameters]); and ``nn.Module._apply`` swaps each DTensor's local
+        tensor for a converted copy that no longer views ``padded_shard``. Either way, copy
+        the local tensor into a padded buffer of its dtype and device so all-gathers and
+        the optimizer keep sharing storage.
         """
+        self._adopt_replacement()
         local = _local_tensor(self.sharded_param)
         if local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr():
             if local.dtype == self.padded_shard.dtype and local.device == self.padded_shard.device:
@@ -199,22 +200,75 @@ class ShardedParam:
         self.unsharded_param = None
         self._unsharded_data = None
 
-    def adopt_registered_param(self) -> None:
-        """Take over a parameter that replaced ours (``load_state_dict(assign=True)``)."""
-        current = self.refs[0].module._parameters[self.refs[0].name]
-        if current is not self.sharded_param and current is not None:
-            if (
-                not isinstance(current, DTensor)
-                or current.placements != self.sharded_param.placements
-            ):
+    # [Note: replaced parameters]
+    # A user may register a new parameter under a sharded one's name between fully_shard and
+    # the first forward (``module.weight = nn.Parameter(...)``, e.g. to load values). Lazy init
+    # adopts it through ``reset_sharded_param``: a DTensor with our sharding is taken as is,
+    # a plain tensor of the original size is sharded as the original was (each rank keeps its
+    # rows, so every rank must pass the same full tensor). ``load_state_dict(assign=True)``
+    # registers new DTensors the same way, at any time, and its post-hook adopts them. After
+    # lazy init a plain replacement would be silently ignored (FSDP keeps gathering the old
+    # shards, which the optimizer may hold), so ``check_registered`` refuses it instead.
+
+    def _adopt_replacement(self) -> None:
+        """Take over a parameter registered in place of ours (see [Note: replaced parameters])."""
+        registered = [ref.module._parameters.get(ref.name) for ref in self.refs]
+        if all(p is self.sharded_param for p in registered):
+            return
+        new = registered[0]
+        if new is None or any(p is not new for p in registered):
+            names = ", ".join(repr(ref.name) for ref in self.refs)
+            raise ValueError(
+                f"{self.description} is registered under several names ({names}) and some "
+                "were replaced or removed; replace all of them with the same parameter"
+            )
+        if isinstance(new, DTensor):
+            if new.placements != self.sharded_param.placements or new.size() != self.global_size:
                 raise ValueError(
-                    f"load_state_dict(assign=True) for {self.fqn} needs a DTensor with "
-                    f"placements {self.sharded_param.placements}, got {type(current).__name__}"
+                    f"{self.description} was replaced by a DTensor of size "
+                    f"{tuple(new.size())} with placements {new.placements}; fully_shard needs "
+                    f"size {tuple(self.global_size)} and placements {self.spec_placements}"
                 )
-            self.sharded_param = current
-            for ref in self.refs[1:]:
-                ref.set(current)
-        self.reset_sharded_param()
+        else:
+            new = self._shard_replacement(new)
+        self.sharded_param = new
+        for ref in self.refs:
+            ref.set(new)
+
+    def _shard_replacement(self, param: nn.Parameter) -> nn.Parameter:
+        """This rank's rows of a plain (full) replacement, as a sharded parameter."""
+        if self.tp_spec is not None or self.mesh_info.spmd is not None:
+            raise ValueError(
+                f"{self.description} is a DTensor parameter and was replaced by a plain "
+                f"tensor; replace it with a DTensor with placements {self.spec_placements}"
+            )
+        if param.size() != self.global_size:
+            raise ValueError(
+                f"{self.description} was replaced by a tensor of size {tuple(param.size())}, "
+                f"but fully_shard sharded a parameter of size {tuple(self.global_size)}"
+            )
+        rows = param.detach().narrow(
+            self.shard_dim, self.layout.local_offset, self.layout.local_rows
+        )
+        if rows.device.type != "meta":
+            rows = rows.to("cpu" if self.offload else self.device)
+        rows = rows.clone(memory_format=torch.contiguous_format)
+        return nn.Parameter(self._to_dtensor(rows), requires_grad=param.requires_grad)
+
+    def check_registered(self) -> None:
+        """Refuse a parameter replaced after lazy init (see [Note: replaced parameters])."""
+        for ref in self.refs:
+            current = ref.module._parameters.get(ref.name)
+            if current is None or (
+                current is not self.sharded_param and current is not self.unsharded_param
+            ):
+                raise RuntimeError(
+                    f"parameter {self.fqn!r} of {type(ref.module).__name__} was replaced or "
+                    "removed after fully_shard initialized it at the first forward (or "
+                    "unshard()); FSDP would ignore the new tensor. Replace parameters before "
+                    "the first forward, or change values in place (param.copy_(...) or "
+                    "load_state_dict)."
+                )
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         host = tensor.to("cpu")
@@ -249,8 +303,14 @@ class ShardedParam:
 
     @property
     def fqn(self) -> str:
-        """The parameter's name under the root module (before lazy init: its local name)."""
-        return self.root_fqn if self.root_fqn is not None else self.refs[0].name
+        """The parameter's name under the root module (before lazy init: its path under the
+        module given to ``fully_shard``)."""
+        return self.root_fqn if self.root_fqn is not None else self.name
+
+    @property
+    def description(self) -> str:
+        """``'blocks.0.in_proj.weight' (Linear)``: the name and the owning module's class."""
+        return f"{self.fqn!r} ({type(self.refs[0].module).__name__})"
 
     # -- all-gather input and output ----------------------------------------------------
 
@@ -450,6 +510,33 @@ class ShardedParam:
         if self.unsharded_param is not None:
             self.unsharded_param.grad = None
         self.unsharded_accumulated_grad = None
+
+
+def _check_shardable(param: torch.Tensor, shard_dim: int, shard_size: int, name: str) -> None:
+    """Refuse, with the facts a user needs, a parameter ``fully_shard`` cannot shard.
+
+    ``shard_dim`` is already normalized (``0 <= shard_dim < param.dim()``) by the caller.
+    """
+    if param.dim() == 0:
+        raise ValueError(
+            f"fully_shard does not support scalar (0-dim) parameters, and {name} is one. "
+            "Make it a 1D tensor with numel 1 instead, e.g. nn.Parameter(value.reshape(1)); "
+            "it broadcasts like the scalar did."
+        )
+    if not param.is_contiguous():
+        raise NotImplementedError(
+            f"fully_shard does not support non-contiguous parameters: {name} has size "
+            f"{tuple(param.size())} and stride {param.stride()}. Register a contiguous copy "
+            "before calling fully_shard, e.g. module.weight = nn.Parameter(weight.contiguous())."
+        )
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if shard_dim > 0 and local.size(shard_dim) % shard_size != 0:
+        raise NotImplementedError(
+            f"fully_shard does not support uneven sharding on dim {shard_dim}: {name} has "
+            f"size {tuple(local.size())} and dim {shard_dim} ({local.size(shard_dim)}) does "
+            f"not split evenly over world size {shard_size}. Shard it on dim 0 (uneven sizes "
+            "are fine there) or on a dim that splits evenly."
+        )
 
 
 def unique_params(module_params: list[tuple[nn.Module, str, nn.Parameter]]):

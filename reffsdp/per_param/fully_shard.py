@@ -8,7 +8,7 @@ to the block's group and the rest (embeddings, final norm, ...) to the root's gr
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, overload
 
 import torch
@@ -53,8 +53,11 @@ def fully_shard(
     and the named dims are the data-parallel ones (see [Note: SPMD meshes] in
     ``reffsdp/core/mesh.py``).
     """
-    modules = (module,) if isinstance(module, nn.Module) else tuple(module)
+    modules = _as_modules(module)
     _check_modules(modules)
+    _check_argument_types(
+        mesh, shard_placement_fn, mp_policy, offload_policy, ignored_params, dp_mesh_dims
+    )
     mesh = mesh if mesh is not None else default_mesh()
     if dp_mesh_dims is not None:
         mesh_info = spmd_mesh_info(mesh, dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names)
@@ -67,9 +70,9 @@ def fully_shard(
 
     managed = _managed_modules(modules)
     ignored = {id(p) for p in ignored_params or ()}
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise ValueError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
-    sharded = _shard_params(managed, ignored, mesh_info, device, shard_placement_fn, offload_policy)
+    sharded = _shard_params(
+        modules, managed, ignored, mesh_info, device, shard_placement_fn, offload_policy
+    )
     _move_buffers(managed, device)
     group = None
     if sharded:
@@ -90,6 +93,61 @@ def fully_shard(
         m._is_fsdp_managed_module = True  # type: ignore[attr-defined]
         m._fsdp_use_orig_params = True  # type: ignore[attr-defined]
     return module
+
+
+def _as_modules(module: Any) -> tuple[nn.Module, ...]:
+    if isinstance(module, nn.Module):
+        return (module,)
+    if not isinstance(module, list):
+        raise TypeError(
+            f"fully_shard expects module to be an nn.Module or a list of them, got "
+            f"{type(module).__name__}"
+        )
+    for item in module:
+        if not isinstance(item, nn.Module):
+            raise TypeError(
+                f"fully_shard expects module to be a list of nn.Modules, but it holds a "
+                f"{type(item).__name__}"
+            )
+    if not module:
+        raise ValueError("fully_shard expects at least one module, got an empty list")
+    return tuple(module)
+
+
+def _check_argument_types(
+    mesh, shard_placement_fn, mp_policy, offload_policy, ignored_params, dp_mesh_dims
+) -> None:
+    """Refuse arguments of the wrong type up front, naming them (torch fails deeper inside)."""
+    _check_type("mesh", mesh, DeviceMesh, "init_device_mesh(...)", optional=True)
+    _check_type("mp_policy", mp_policy, MixedPrecisionPolicy, "MixedPrecisionPolicy(...)")
+    _check_type("offload_policy", offload_policy, OffloadPolicy, "CPUOffloadPolicy()")
+    _check_type(
+        "dp_mesh_dims",
+        dp_mesh_dims,
+        DataParallelMeshDims,
+        "DataParallelMeshDims(...)",
+        optional=True,
+    )
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(
+            "fully_shard expects shard_placement_fn to be a function of a parameter, got "
+            f"{shard_placement_fn!r}"
+        )
+    if ignored_params is not None and not (
+        isinstance(ignored_params, Iterable)
+        and all(isinstance(p, nn.Parameter) for p in ignored_params)
+    ):
+        raise TypeError(
+            "fully_shard expects ignored_params to be a set of nn.Parameters, got "
+            f"{type(ignored_params).__name__}"
+        )
+
+
+def _check_type(name: str, value: Any, cls: type, example: str, *, optional: bool = False):
+    if isinstance(value, cls) or (optional and value is None):
+        return
+    got = f"the class {value.__name__}" if isinstance(value, type) else repr(value)
+    raise TypeError(f"fully_shard expects {name} to be a {cls.__name__}, e.g. {example}; got {got}")
 
 
 def _check_modules(modules: tuple[nn.Module, ...]) -> None:
@@ -175,7 +233,7 @@ def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
 
 
 def _shard_params(
-    managed, ignored, mesh_info, device, shard_placement_fn, offload_policy
+    roots, managed, ignored, mesh_info, device, shard_placement_fn, offload_policy
 ) -> list[ShardedParam]:
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     pin_memory = offload and offload_policy.pin_memory
@@ -185,21 +243,62 @@ def _shard_params(
         for name, p in m._parameters.items()
         if p is not None and id(p) not in ignored
     ]
+    paths = _module_paths(roots)
     sharded = []
     for param, refs in unique_params(triples):
-        placement = shard_placement_fn(param) if shard_placement_fn is not None else None
-        if placement is not None and not isinstance(placement, Shard):
-            raise ValueError(
-                f"shard_placement_fn must return None or a Shard placement, got {placement!r}"
-            )
-        shard_dim = placement.dim if placement is not None else 0
+        prefix = paths[id(refs[0].module)]
+        name = f"{prefix}.{refs[0].name}" if prefix else refs[0].name
+        shard_dim = _shard_dim(shard_placement_fn, param, name, type(refs[0].module).__name__)
         sharded_param = ShardedParam(
-            param, refs, mesh_info, device, shard_dim, offload=offload, pin_memory=pin_memory
+            param,
+            refs,
+            mesh_info,
+            device,
+            shard_dim,
+            name=name,
+            offload=offload,
+            pin_memory=pin_memory,
         )
-        for ref in refs:
-            ref.set(sharded_param.sharded_param)
         sharded.append(sharded_param)
+    # Register the sharded parameters only once every parameter passed its checks, so an
+    # error leaves the module as it was.
+    for sharded_param in sharded:
+        for ref in sharded_param.refs:
+            ref.set(sharded_param.sharded_param)
     return sharded
+
+
+def _module_paths(roots: tuple[nn.Module, ...]) -> dict[int, str]:
+    """Each module's path under the module(s) given to ``fully_shard``, for messages."""
+    paths: dict[int, str] = {}
+    for root in roots:
+        for path, module in root.named_modules():
+            paths.setdefault(id(module), path)
+    return paths
+
+
+def _shard_dim(shard_placement_fn, param: nn.Parameter, name: str, owner: str) -> int:
+    """The tensor dim to shard ``param`` on: 0, or what ``shard_placement_fn`` returns.
+
+    A negative dim counts from the end, once (``Shard(-1)`` of a 2-D weight is dim 1);
+    anything still outside ``[0, param.dim())`` is refused rather than wrapped around.
+    """
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise ValueError(
+            f"shard_placement_fn must return None or a Shard placement, got {placement!r} "
+            f"for parameter {name!r} ({owner})"
+        )
+    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.dim():
+        raise ValueError(
+            f"shard_placement_fn returned Shard({placement.dim}) for parameter {name!r} "
+            f"({owner}), a {param.dim()}-D tensor of size {tuple(param.size())}; its dims are "
+            f"{-param.dim()} to {param.dim() - 1}"
+        )
+    return dim
 
 
 def _move_buffers(managed: list[nn.Module], device: torch.device) -> None:

@@ -7,6 +7,7 @@ the methods below then act on the module's ``fully_shard`` state.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +74,7 @@ class FSDPModule:
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now (in ``param_dtype``)."""
+        _check_bool("unshard", async_op=async_op)
         groups = self._groups()
         for group in groups:
             if group.comm_ctx is None:
@@ -111,41 +113,72 @@ class FSDPModule:
     # -- gradient synchronization -------------------------------------------------------
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
+        _check_bool("set_is_last_backward", is_last_backward=is_last_backward)
         self._get_fsdp_state().ctx.is_last_backward = is_last_backward
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """Turn reduce-scatter (and HSDP all-reduce) on or off, e.g. for microbatches."""
+        _check_bool(
+            "set_requires_gradient_sync",
+            requires_gradient_sync=requires_gradient_sync,
+            recurse=recurse,
+        )
         self._configure(
             recurse, reduce_grads=requires_gradient_sync, all_reduce_grads=requires_gradient_sync
         )
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
         """HSDP: reduce-scatter but skip the all-reduce across replicas while off."""
+        _check_bool(
+            "set_requires_all_reduce", requires_all_reduce=requires_all_reduce, recurse=recurse
+        )
         self._configure(recurse, all_reduce_grads=requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(
-                f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}"
+                f"set_reshard_after_forward expects reshard_after_forward to be a bool, got "
+                f"{reshard_after_forward!r}"
             )
+        _check_bool("set_reshard_after_forward", recurse=recurse)
         self._configure(recurse, reshard_after_forward=reshard_after_forward)
         for module in self._fsdp_modules(recurse):
             module._get_fsdp_state().auto_reshard_root = False
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
+        _check_bool(
+            "set_reshard_after_backward",
+            reshard_after_backward=reshard_after_backward,
+            recurse=recurse,
+        )
         self._configure(recurse, reshard_after_backward=reshard_after_backward)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        _check_bool("set_unshard_in_backward", unshard_in_backward=unshard_in_backward)
         self._configure(False, unshard_in_backward=unshard_in_backward)
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
+        _check_bool(
+            "set_reduce_scatter_unused_params",
+            reduce_scatter_unused_params=reduce_scatter_unused_params,
+            recurse=recurse,
+        )
         self._configure(recurse, reduce_scatter_unused_params=reduce_scatter_unused_params)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel size."""
-        self._configure(False, gradient_divide_factor=factor)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise TypeError(
+                f"set_gradient_divide_factor expects factor to be a float, got {factor!r}"
+            )
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(
+                f"set_gradient_divide_factor expects a positive, finite factor, got {factor}; "
+                "gradients are divided by it"
+            )
+        self._configure(False, gradient_divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         warnings.warn(
@@ -157,6 +190,7 @@ class FSDPModule:
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Use only SUM collectives and divide separately (for backends without AVG)."""
+        _check_bool("set_force_sum_reduction_for_comms", enable=enable)
         self._configure(False, force_sum_reduction=enable)
 
     def set_all_reduce_hook(
@@ -195,6 +229,7 @@ class FSDPModule:
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True):
         """Reduce-scatter on a second process group over the same ranks as the all-gather,
         so the two kinds of collective do not queue behind each other."""
+        _check_bool("set_separate_reduce_scatter_group", enable=enable, recurse=recurse)
         for module in self._fsdp_modules(recurse):
             for group in module._groups():
                 shard_group = group.mesh_info.shard_group
@@ -206,6 +241,7 @@ class FSDPModule:
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted for compatibility: buffers always come from the caching allocator."""
+        _check_bool("set_allocate_memory_from_process_group_for_comm", enable=enable)
         for group in self._groups():
             settings = group.settings
             if settings.all_gather_comm is not None or settings.reduce_scatter_comm is not None:
@@ -234,7 +270,15 @@ class FSDPModule:
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """Issue forward/backward all-gathers on the current stream instead of the side
         stream (they are asynchronous either way and waited where the data is needed)."""
+        _check_bool("_set_unshard_async_op", async_op=async_op)
         self._configure(True, unshard_async_op=async_op)
+
+
+def _check_bool(method: str, **flags: Any) -> None:
+    """Refuse non-bool flags: ``set_requires_gradient_sync("no")`` would otherwise read as True."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{method} expects {name} to be a bool, got {value!r}")
 
 
 def _states_of(modules: list[Any], direction: str) -> list[FSDPState]:

@@ -22,6 +22,18 @@ backward: pre-backward on the first output gradient (unshard, prefetch the group
           before us) -> module backward -> post-backward when input gradients are ready
           (reduce-scatter) -> final callback once backward is done (finish groups that
           never saw a post-backward, wait for reductions).
+
+[Note: grouped fully_shard]
+``fully_shard([a, b])`` gives ``a`` and ``b`` one group, gathered and reduced once per
+pass. The pre-forward hook of the first listed module to run opens a group pass (gather,
+and the post-backward hook on *its* inputs); the others only wait for the gather. The
+pass closes when every listed module has finished forward (or, for those that never ran,
+in the forward root's post-forward). Backward runs the modules in reverse, so the
+post-backward on the first module's inputs fires after all of them: one reduce-scatter.
+Every listed module's output carries a pre-backward hook, but the group stays in
+``PRE_BACKWARD`` until that post-backward, so only the first hook to fire gathers. A
+module that runs alone again after its pass closed (a chunked loss calling ``head`` per
+chunk) opens a new pass and registers its own post-backward.
 """
 
 from __future__ import annotations
@@ -31,10 +43,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map_only
 
 from ..core.autograd_hooks import (
     in_backward,
+    map_tensors,
     queue_final_callback,
     register_post_backward,
     register_pre_backward,
@@ -117,11 +129,7 @@ class FSDPState:
                 "fully_shard on a module that contains all of them"
             )
         self.is_root = True
-        states: list[FSDPState] = []
-        for module in self.modules[0].modules():
-            state = state_of(module)
-            if state is not None and state not in states:
-                states.append(state)
+        states = _states_under(self.modules[0])
         for state in states[1:]:
             if state.is_root is not None:
                 raise RuntimeError(
@@ -185,12 +193,15 @@ class FSDPState:
         self.training_state = TrainingState.FORWARD
         args, kwargs = self._cast_inputs(args, kwargs)
         if self.group is not None:
-            if not self._modules_in_forward:
-                # The first listed module to enter forward: the group's post-forward waits
-                # for all of them, so a grouped call gathers once per forward.
+            for param in self.group.members:
+                param.check_registered()
+            # See [Note: grouped fully_shard].
+            entering_group = not self._modules_in_forward
+            if entering_group:
                 self._modules_in_forward.update(self.modules)
             self.group.pre_forward()
-            args, kwargs = register_post_backward(self.group.post_backward, args, kwargs)
+            if entering_group:
+                args, kwargs = register_post_backward(self.group.post_backward, args, kwargs)
         for target in self.forward_prefetch:
             if target.group is not None:
                 target.group.unshard()
@@ -224,8 +235,7 @@ class FSDPState:
         self.comm_ctx.all_gather_stream(self.device).wait_for_compute(event)
         if self.device.type == "cpu":
             return args, kwargs
-        move = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
-        return tree_map_only(torch.Tensor, move, (args, kwargs))
+        return map_tensors(lambda t: t.to(self.device, non_blocking=True), (args, kwargs))
 
     def _finish_forward_root(self) -> None:
         """Complete grouped states whose listed modules did not all run."""
@@ -240,15 +250,13 @@ class FSDPState:
         dtype = self.mp_policy.param_dtype
         if not self.mp_policy.cast_forward_inputs or dtype is None:
             return args, kwargs
-        cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-        return tree_map_only(torch.Tensor, cast, (args, kwargs))
+        return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
 
     def _cast_output(self, output: Any) -> Any:
         dtype = self.mp_policy.output_dtype
         if dtype is None:
             return output
-        cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-        return tree_map_only(torch.Tensor, cast, output)
+        return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
 
     # -- state dict hooks ---------------------------------------------------------------
 
@@ -259,10 +267,11 @@ class FSDPState:
             self.group.reshard()
 
     def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
-        # load_state_dict(assign=True) registers new DTensors: adopt them and re-pad.
+        # load_state_dict(assign=True) registers new DTensors: adopt them and re-pad (see
+        # [Note: replaced parameters] in reffsdp/core/sharded_param.py).
         if self.group is not None:
             for param in self.group.members:
-                param.adopt_registered_param()
+                param.reset_sharded_param()
 
     # -- backward hooks -----------------------------------------------------------------
 
@@ -323,18 +332,33 @@ class FSDPState:
         self.ctx.final_callback_queued = False
 
 
+def _states_under(root: nn.Module) -> list[FSDPState]:
+    """The states in ``root``'s tree, pre-order, each renamed by its modules' paths."""
+    paths: dict[FSDPState, list[str]] = {}
+    for path, module in root.named_modules():
+        state = state_of(module)
+        if state is not None:
+            paths.setdefault(state, []).append(repr(path) if path else "root")
+    for state, names in paths.items():
+        classes = ", ".join(type(m).__name__ for m in state.modules)
+        state._name = f"fully_shard module {', '.join(names)} ({classes})"
+    return list(paths)
+
+
 def _set_root_fqns(root: nn.Module, states: list[FSDPState]) -> None:
-    """Name each sharded parameter by its FQN under the root, so errors say which it is."""
-    by_id = {
-        id(param.sharded_param): param
-        for state in states
-        if state.group is not None
-        for param in state.group.members
-    }
-    for name, tensor in root.named_parameters():
-        param = by_id.get(id(tensor))
-        if param is not None:
-            param.root_fqn = name
+    """Name each sharded parameter by its FQN under the root, so errors say which it is.
+
+    Names come from where the parameter is registered, not from what is registered there,
+    so a parameter replaced before lazy init is named too.
+    """
+    paths = {id(module): path for path, module in root.named_modules()}
+    for state in states:
+        for param in state.group.members if state.group is not None else ():
+            for ref in param.refs:
+                path = paths.get(id(ref.module))
+                if path is not None:
+                    param.root_fqn = f"{path}.{ref.name}" if path else ref.name
+                    break
 
 
 def _check_no_param_in_two_groups(states: list[FSDPState]) -> None:
@@ -346,7 +370,8 @@ def _check_no_param_in_two_groups(states: list[FSDPState]) -> None:
             other = owner.setdefault(param.orig_param_uid, state)
             if other is not state:
                 raise ValueError(
-                    f"parameter {param.fqn} is shared by {other} and {state}, which shard it "
-                    "separately; shard the modules that share it in one call, e.g. "
+                    f"parameter {param.fqn!r} of {state} is already managed by another "
+                    f"fully_shard group, {other}: shared (tied) parameters must be in one "
+                    "group. Shard the modules that share it in one call, e.g. "
                     "fully_shard([module_a, module_b])"
                 )

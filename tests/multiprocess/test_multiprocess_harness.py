@@ -14,6 +14,14 @@ import torch
 import torch.distributed as dist
 
 from reffsdp.testing import common
+from reffsdp.testing.collective_trace import (
+    CollectiveRecorder,
+    Issued,
+    RankTrace,
+    find_mismatch,
+    find_unmatched,
+    read_trace,
+)
 from reffsdp.testing.multiprocess import FSDPTest, with_fake_pg
 
 pytestmark = pytest.mark.multiprocess
@@ -105,6 +113,11 @@ def test_failing_rank_reports_its_rank_and_traceback() -> None:
     assert 'raise ValueError("planted failure on rank 1")' in message
     assert "ValueError: planted failure on rank 1" in message
     assert "in subTest" in message and "{'step': 2}" in message
+    # Rank 0 waits in the barrier run_subtests issues after step 2; rank 1 never came.
+    assert (
+        "barrier #1 on group '0' (global ranks [0, 1]) was issued by rank 0 but not by rank 1 "
+        "(its last there: #0)" in message
+    )
 
 
 def test_rank_that_dies_is_reported() -> None:
@@ -142,3 +155,40 @@ def test_class_defined_in_a_function_is_rejected() -> None:
 
     result = _run(Local("test_nothing"))
     assert "define FSDPTest classes at module level" in result.errors[0][1]
+
+
+def _trace(rank: int, op: str, seq: int, *, closing: bool = False) -> RankTrace:
+    return RankTrace(rank, Issued(op, "0", (0, 1), seq, closing), {"0": seq + 1})
+
+
+def test_collective_trace_records_what_a_rank_issued(tmp_path) -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        recorder = CollectiveRecorder(str(tmp_path / "trace"))
+        recorder.record(dist.group.WORLD, "allreduce")
+        recorder.record(dist.group.WORLD, "broadcast")
+        name = dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+    trace = read_trace(str(tmp_path / "trace"), 0)
+    assert trace == RankTrace(0, Issued("broadcast", name, (0,), 1, False), {name: 2})
+    assert read_trace(str(tmp_path / "missing"), 1) is None
+
+
+def test_collective_trace_finds_mismatched_and_unmatched_collectives() -> None:
+    # Ranks at different collectives of a group may just be on their way: no mismatch.
+    assert find_mismatch({0: _trace(0, "allreduce", 2), 1: _trace(1, "allreduce", 1)}) is None
+    assert find_mismatch({0: _trace(0, "allreduce", 2), 1: _trace(1, "barrier", 2)}) == (
+        "collective #2 on group '0' (global ranks [0, 1]) differs: "
+        "rank 0 issued allreduce, rank 1 issued barrier"
+    )
+    closing = find_mismatch({0: _trace(0, "barrier", 2), 1: _trace(1, "barrier", 2, closing=True)})
+    assert closing is not None and "rank 1 issued barrier (the harness's barrier" in closing
+    assert find_unmatched({0: _trace(0, "allreduce", 2), 1: _trace(1, "allreduce", 1)}) == [
+        "allreduce #2 on group '0' (global ranks [0, 1]) was issued by rank 0 "
+        "but not by rank 1 (its last there: #1)"
+    ]
+    assert find_unmatched({0: _trace(0, "allreduce", 0)}) == [
+        "allreduce #0 on group '0' (global ranks [0, 1]) was issued by rank 0 "
+        "but not by rank 1 (none there)"
+    ]

@@ -33,11 +33,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from reffsdp import fully_shard
+from reffsdp.testing.build import reference_and_model, shard_bottom_up
 from reffsdp.testing.inputs import random_inputs
+from reffsdp.testing.meshes import mesh_hsdp
 from reffsdp.testing.models import MLPBlocks
 from reffsdp.testing.multithread import FSDPTestMultiThread, run_threaded
-from reffsdp.testing.parity import local_data_parallel_step, train_step
+from reffsdp.testing.parity import check_state_dict_parity, local_data_parallel_step, train_step
 
 pytestmark = pytest.mark.multithread
 
@@ -56,32 +57,24 @@ def sgd(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1e-1, momentum=0.9)
 
 
-def shard(model: MLPBlocks, mesh) -> MLPBlocks:
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+def shard(model: MLPBlocks, mesh, **fsdp_kwargs) -> MLPBlocks:
+    return shard_bottom_up(model, model.layers, mesh=mesh, **fsdp_kwargs)
 
 
-def reference_step(
-    model: nn.Module, optim: torch.optim.Optimizer, iteration: int, world_size: int
-) -> list[float]:
-    """One data-parallel step over ``world_size`` ranks' inputs, on one unsharded model."""
-    return local_data_parallel_step(model, optim, make_inputs, iteration, world_size)
+def train_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+    """What a training checkpoint holds: the model's and the optimizer's state dicts."""
+    return {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optim),
+    }
 
 
-def sharded_step(model: nn.Module, optim: torch.optim.Optimizer, iteration: int) -> float:
-    return train_step(model, optim, make_inputs(iteration, dist.get_rank()))
-
-
-def assert_matches(model: nn.Module, ref: nn.Module) -> None:
-    """Every sharded parameter and buffer gathers to the reference's."""
-    ref_tensors = dict(ref.state_dict())
-    tensors = dict(model.state_dict())
-    assert list(tensors) == list(ref_tensors)
-    for name, tensor in tensors.items():
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        torch.testing.assert_close(full, ref_tensors[name], msg=name)
+def load_train_state(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
+    """Load the :func:`train_state` saved at ``path`` into ``model`` and ``optim``."""
+    state = train_state(model, optim)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
 
 
 def shared_temp_dir() -> str:
@@ -96,17 +89,27 @@ class TestStateDicts(FSDPTestMultiThread):
     def world_size(self) -> int:
         return 2
 
-    def _ref_and_model(self, mesh=None) -> tuple[MLPBlocks, MLPBlocks]:
-        model = _blocks()
-        self.sync_module_states(model)
-        ref = copy.deepcopy(model)
-        return ref, shard(model, mesh or init_device_mesh("cpu", (self.world_size,)))
+    def _ref_and_model(self, mesh=None, **fsdp_kwargs) -> tuple[MLPBlocks, MLPBlocks]:
+        ref, model = reference_and_model(_blocks())
+        mesh = mesh or init_device_mesh("cpu", (self.world_size,))
+        return ref, shard(model, mesh, **fsdp_kwargs)
+
+    def _check_training_continues(self, ref, ref_optim, model, optim, steps) -> None:
+        """Train ``model`` and the reference on: same losses each step, same weights after."""
+        for step in steps:
+            ref_losses = local_data_parallel_step(
+                ref, ref_optim, make_inputs, step, self.world_size
+            )
+            self.assertAlmostEqual(
+                train_step(model, optim, make_inputs(step, self.rank)), ref_losses[self.rank], 5
+            )
+        check_state_dict_parity(self, ref, model)
 
     def test_model_state_dict_sharded_and_full(self):
         ref, model = self._ref_and_model()
         ref_optim, optim = sgd(ref.parameters()), sgd(model.parameters())
-        reference_step(ref, ref_optim, 0, self.world_size)
-        sharded_step(model, optim, 0)
+        local_data_parallel_step(ref, ref_optim, make_inputs, 0, self.world_size)
+        train_step(model, optim, make_inputs(0, self.rank))
 
         sharded = get_model_state_dict(model)
         self.assertEqual(list(sharded), list(ref.state_dict()))
@@ -127,32 +130,34 @@ class TestStateDicts(FSDPTestMultiThread):
         with torch.no_grad():
             for tensor in ref.state_dict().values():
                 tensor.add_(1)
-        assert_matches(model, ref)
+        check_state_dict_parity(self, ref, model)
 
         # A sharded state dict loads into a differently initialized sharded model.
         _, other = self._ref_and_model()
         set_model_state_dict(other, get_model_state_dict(model))
-        assert_matches(other, ref)
+        check_state_dict_parity(self, ref, other)
         # ... and both keep training like the reference.
         ref_optim, optim, other_optim = sgd(ref.parameters()), sgd(model.parameters()), None
         other_optim = sgd(other.parameters())
         for step in (1, 2):
-            ref_losses = reference_step(ref, ref_optim, step, self.world_size)
-            self.assertAlmostEqual(sharded_step(model, optim, step), ref_losses[self.rank], 5)
-            self.assertAlmostEqual(sharded_step(other, other_optim, step), ref_losses[self.rank], 5)
-        assert_matches(model, ref)
-        assert_matches(other, ref)
+            ref_losses = local_data_parallel_step(
+                ref, ref_optim, make_inputs, step, self.world_size
+            )
+            self.assertAlmostEqual(
+                train_step(model, optim, make_inputs(step, self.rank)), ref_losses[self.rank], 5
+            )
+            self.assertAlmostEqual(
+                train_step(other, other_optim, make_inputs(step, self.rank)),
+                ref_losses[self.rank],
+                5,
+            )
+        check_state_dict_parity(self, ref, model)
+        check_state_dict_parity(self, ref, other)
 
     def test_state_dict_between_forward_and_backward_is_sharded(self):
         """With ``reshard_after_forward=False`` the forward leaves unsharded parameters
         registered; saving still sees the sharded DTensors, and backward still works."""
-        model = _blocks()
-        self.sync_module_states(model)
-        ref = copy.deepcopy(model)
-        mesh = init_device_mesh("cpu", (self.world_size,))
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        ref, model = self._ref_and_model(reshard_after_forward=False)
         loss = model(make_inputs(0, self.rank)).sum()
         self.assertNotIsInstance(model.proj.weight, DTensor)  # unsharded while in flight
         state = get_model_state_dict(model)
@@ -175,15 +180,15 @@ class TestStateDicts(FSDPTestMultiThread):
         state = ref.state_dict() if self.rank == 0 else {}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(model, state, options=options)
-        assert_matches(model, ref)
+        check_state_dict_parity(self, ref, model)
 
     def test_optimizer_state_dict(self):
         ref, model = self._ref_and_model()
         adam = lambda params: torch.optim.Adam(params, lr=1e-2)  # noqa: E731
         ref_optim, optim = adam(ref.parameters()), adam(model.parameters())
         for step in range(2):
-            reference_step(ref, ref_optim, step, self.world_size)
-            sharded_step(model, optim, step)
+            local_data_parallel_step(ref, ref_optim, make_inputs, step, self.world_size)
+            train_step(model, optim, make_inputs(step, self.rank))
         ref_state = ref_optim.state_dict()["state"]
         names = [name for name, _ in ref.named_parameters()]
 
@@ -205,41 +210,21 @@ class TestStateDicts(FSDPTestMultiThread):
         other_optim = adam(other.parameters())
         set_model_state_dict(other, get_model_state_dict(model))
         set_optimizer_state_dict(other, other_optim, sharded)
-        for step in (2, 3):
-            ref_losses = reference_step(ref, ref_optim, step, self.world_size)
-            self.assertAlmostEqual(sharded_step(other, other_optim, step), ref_losses[self.rank], 5)
-        assert_matches(other, ref)
+        self._check_training_continues(ref, ref_optim, other, other_optim, steps=(2, 3))
 
     def test_dcp_save_load_round_trip(self):
         ref, model = self._ref_and_model()
         ref_optim, optim = sgd(ref.parameters()), sgd(model.parameters())
-        reference_step(ref, ref_optim, 0, self.world_size)
-        sharded_step(model, optim, 0)
+        local_data_parallel_step(ref, ref_optim, make_inputs, 0, self.world_size)
+        train_step(model, optim, make_inputs(0, self.rank))
         path = shared_temp_dir()
         try:
-            dcp.save(
-                {
-                    "model": get_model_state_dict(model),
-                    "optim": get_optimizer_state_dict(model, optim),
-                },
-                checkpoint_id=path,
-            )
+            dcp.save(train_state(model, optim), checkpoint_id=path)
             _, other = self._ref_and_model()
             other_optim = sgd(other.parameters())
-            state = {
-                "model": get_model_state_dict(other),
-                "optim": get_optimizer_state_dict(other, other_optim),
-            }
-            dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(other, state["model"])
-            set_optimizer_state_dict(other, other_optim, state["optim"])
-            assert_matches(other, ref)
-            for step in (1, 2):
-                ref_losses = reference_step(ref, ref_optim, step, self.world_size)
-                self.assertAlmostEqual(
-                    sharded_step(other, other_optim, step), ref_losses[self.rank], 5
-                )
-            assert_matches(other, ref)
+            load_train_state(other, other_optim, path)
+            check_state_dict_parity(self, ref, other)
+            self._check_training_continues(ref, ref_optim, other, other_optim, steps=(1, 2))
         finally:
             dist.barrier()
             if self.rank == 0:
@@ -252,11 +237,8 @@ class TestHSDPStateDict(FSDPTestMultiThread):
         return 4
 
     def test_hsdp_state_dicts(self):
-        model = _blocks()
-        self.sync_module_states(model)
-        ref = copy.deepcopy(model)
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-        shard(model, mesh)
+        ref, model = reference_and_model(_blocks())
+        shard(model, mesh_hsdp(2, 2))
         for name, value in get_model_state_dict(model).items():
             if isinstance(value, DTensor):
                 self.assertEqual(value.placements, (Replicate(), Shard(0)), name)
@@ -281,9 +263,9 @@ def test_save_on_4_ranks_load_on_2(save_mesh, tmp_path):
     ref = copy.deepcopy(initial)
     ref_optim = sgd(ref.parameters())
     for step in range(2):
-        reference_step(ref, ref_optim, step, 4)
+        local_data_parallel_step(ref, ref_optim, make_inputs, step, 4)
     saved = copy.deepcopy(ref.state_dict())
-    ref_losses = [reference_step(ref, ref_optim, step, 2) for step in (2, 3)]
+    ref_losses = [local_data_parallel_step(ref, ref_optim, make_inputs, step, 2) for step in (2, 3)]
     path = str(tmp_path / "checkpoint")
 
     def save(rank: int) -> None:
@@ -294,28 +276,20 @@ def test_save_on_4_ranks_load_on_2(save_mesh, tmp_path):
         model = shard(copy.deepcopy(initial), mesh)
         optim = sgd(model.parameters())
         for step in range(2):
-            sharded_step(model, optim, step)
-        state = {
-            "model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, optim),
-        }
-        dcp.save(state, checkpoint_id=path)
+            train_step(model, optim, make_inputs(step, rank))
+        dcp.save(train_state(model, optim), checkpoint_id=path)
 
     def load_and_train(rank: int) -> None:
         model = shard(copy.deepcopy(unrelated), init_device_mesh("cpu", (2,)))
         optim = sgd(model.parameters())
-        state = {
-            "model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, optim),
-        }
-        dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, optim, state["optim"])
+        load_train_state(model, optim, path)
         for name, value in get_model_state_dict(model, options=FULL).items():
             torch.testing.assert_close(value, saved[name], msg=name)
         for step, losses in zip((2, 3), ref_losses):
-            torch.testing.assert_close(sharded_step(model, optim, step), losses[rank])
-        assert_matches(model, ref)
+            torch.testing.assert_close(
+                train_step(model, optim, make_inputs(step, rank)), losses[rank]
+            )
+        check_state_dict_parity(None, ref, model)
 
     run_threaded(save, 4)
     assert sorted(f for f in os.listdir(path) if f.endswith(".distcp")) == [
@@ -347,7 +321,7 @@ def test_tensor_parallel_save_loads_into_1d(tmp_path):
         state = get_model_state_dict(model)
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(model, state)
-        assert_matches(model, saved)
+        check_state_dict_parity(None, saved, model)
 
     run_threaded(save, 4)
     run_threaded(load, 2)

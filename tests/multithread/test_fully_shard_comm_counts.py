@@ -9,7 +9,6 @@ of ``ceil(dim0 / world_size)`` rows each.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest
@@ -17,14 +16,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from reffsdp import MixedPrecisionPolicy, fully_shard
-from reffsdp.core import comms
+from reffsdp import MixedPrecisionPolicy
 from reffsdp.core.comms import Collective
-from reffsdp.testing.comm_counter import CommCounter
+from reffsdp.testing.build import shard_bottom_up
+from reffsdp.testing.comm_counter import CommCounter, all_gather_numel
 from reffsdp.testing.fake_pg import fake_process_group
 from reffsdp.testing.models import MLP
 from reffsdp.testing.multithread import FSDPTestMultiThread
-from reffsdp.testing.patching import patch_all_gather, patch_reduce_scatter
+from reffsdp.testing.patching import observe_all_gathers, observe_reduce_scatters
 
 AG, RS = Collective.ALL_GATHER, Collective.REDUCE_SCATTER
 NUM_BLOCKS = 3
@@ -61,18 +60,8 @@ def group_shapes(model: BlocksWithRoot) -> dict[str, list[torch.Size]]:
     return shapes
 
 
-def padded_numel(shapes: list[torch.Size], world_size: int) -> int:
-    """Elements in one group's all-gather output: ``world_size`` padded shards per param."""
-    return sum(
-        world_size * math.ceil(shape[0] / world_size) * math.prod(shape[1:]) for shape in shapes
-    )
-
-
-def shard_model(model: nn.Module, mesh, **kwargs) -> nn.Module:
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, **kwargs)
-    fully_shard(model, mesh=mesh, **kwargs)
-    return model
+def shard_model(model: BlocksWithRoot, mesh, **fsdp_kwargs) -> BlocksWithRoot:
+    return shard_bottom_up(model, model.layers, mesh=mesh, **fsdp_kwargs)
 
 
 def inputs(rank: int, step: int = 0) -> torch.Tensor:
@@ -89,26 +78,16 @@ def step_counts(model: nn.Module, x: torch.Tensor) -> tuple[CommCounter, CommCou
     return forward, backward
 
 
-@pytest.mark.multithread
-class TestCommCountsWorldSize2(FSDPTestMultiThread):
-    @property
-    def world_size(self) -> int:
-        return 2
-
+class CountsAndBytesChecks:
     def mesh(self):
         return init_device_mesh("cpu", (self.world_size,))
 
-    def test_counts_and_bytes_per_reshard_after_forward(self):
-        self.run_subtests(
-            {"reshard_after_forward": [None, True, False]}, self._check_counts_and_bytes
-        )
-
-    def _check_counts_and_bytes(self, reshard_after_forward):
+    def check_counts_and_bytes(self, reshard_after_forward):
         n, ws = NUM_BLOCKS, self.world_size
         model = BlocksWithRoot()
         shapes = group_shapes(model)
         shard_model(model, self.mesh(), reshard_after_forward=reshard_after_forward)
-        numels = {name: padded_numel(s, ws) for name, s in shapes.items()}
+        numels = {name: all_gather_numel(s, ws) for name, s in shapes.items()}
         all_bytes = 4 * sum(numels.values())
         block_bytes = 4 * sum(numels[f"layers.{i}"] for i in range(n))
         for step in range(2):
@@ -123,13 +102,25 @@ class TestCommCountsWorldSize2(FSDPTestMultiThread):
             self.assertEqual(backward.get_comm_bytes()[RS], all_bytes)
             self.assertEqual(backward.get_total_counts(), count + n + 1)
 
+
+@pytest.mark.multithread
+class TestCommCountsWorldSize2(CountsAndBytesChecks, FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_counts_and_bytes_per_reshard_after_forward(self):
+        self.run_subtests(
+            {"reshard_after_forward": [None, True, False]}, self.check_counts_and_bytes
+        )
+
     def test_mixed_precision_bf16_halves_all_gather_bytes(self):
         self.run_subtests({"reduce_dtype": [None, torch.float32]}, self._check_bf16_bytes)
 
     def _check_bf16_bytes(self, reduce_dtype):
         n, ws = NUM_BLOCKS, self.world_size
         model = BlocksWithRoot()
-        fp32_bytes = 4 * sum(padded_numel(s, ws) for s in group_shapes(model).values())
+        fp32_bytes = 4 * sum(all_gather_numel(s, ws) for s in group_shapes(model).values())
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
         shard_model(model, self.mesh(), reshard_after_forward=True, mp_policy=policy)
         forward, backward = step_counts(model, inputs(self.rank))
@@ -198,47 +189,31 @@ class TestCommCountsWorldSize2(FSDPTestMultiThread):
         model = BlocksWithRoot(with_head=with_head)
         shapes = group_shapes(model)
         shard_model(model, self.mesh(), reshard_after_forward=True)
-        name_of = {padded_numel(s, self.world_size): name or "root" for name, s in shapes.items()}
+        ws = self.world_size
+        name_of = {all_gather_numel(s, ws): name or "root" for name, s in shapes.items()}
         events: list[str] = []
 
-        def all_gather(output, input, group=None, async_op=False):
+        def all_gather(output, input, group):
             events.append(f"unshard {name_of[output.numel()]}")
-            return comms.torch_all_gather()(output, input, group=group, async_op=async_op)
 
-        def reduce_scatter(output, input, op=None, group=None, async_op=False):
+        def reduce_scatter(output, input, op, group):
             events.append(f"reduce {name_of[input.numel()]}")
-            return comms.torch_reduce_scatter()(
-                output, input, op=op, group=group, async_op=async_op
-            )
 
-        with patch_all_gather(all_gather), patch_reduce_scatter(reduce_scatter):
+        with observe_all_gathers(all_gather), observe_reduce_scatters(reduce_scatter):
             model(inputs(self.rank)).sum().backward()
         self.assertEqual(events, expected)
 
 
 @pytest.mark.multithread
-class TestCommCountsWorldSize4(FSDPTestMultiThread):
+class TestCommCountsWorldSize4(CountsAndBytesChecks, FSDPTestMultiThread):
     @property
     def world_size(self) -> int:
         return 4
 
     def test_counts_and_bytes(self):
-        self.run_subtests({"reshard_after_forward": [None, True, False]}, self._check)
-
-    def _check(self, reshard_after_forward):
-        n, ws = NUM_BLOCKS, self.world_size
-        model = BlocksWithRoot()
-        shapes = group_shapes(model)
-        mesh = init_device_mesh("cpu", (ws,))
-        shard_model(model, mesh, reshard_after_forward=reshard_after_forward)
-        all_bytes = 4 * sum(padded_numel(s, ws) for s in shapes.values())
-        forward, backward = step_counts(model, inputs(self.rank))
-        self.assertEqual(forward.get_comm_counts(), {AG: n + 1})
-        self.assertEqual(forward.get_comm_bytes(), {AG: all_bytes})
-        expected_ag = {None: n, True: n + 1, False: 0}[reshard_after_forward]
-        self.assertEqual(backward.get_comm_counts()[AG], expected_ag)
-        self.assertEqual(backward.get_comm_counts()[RS], n + 1)
-        self.assertEqual(backward.get_comm_bytes()[RS], all_bytes)
+        self.run_subtests(
+            {"reshard_after_forward": [None, True, False]}, self.check_counts_and_bytes
+        )
 
     def test_int_reshard_after_forward_gathers_over_two_ranks_in_backward(self):
         """``reshard_after_forward=2``: backward all-gathers run over 2-rank groups.
@@ -255,16 +230,15 @@ class TestCommCountsWorldSize4(FSDPTestMultiThread):
         # (group size, input bytes, output bytes) of each all-gather, in issue order
         calls: list[tuple[int, int, int]] = []
 
-        def all_gather(output, input, group=None, async_op=False):
+        def all_gather(output, input, group):
             calls.append((group.size(), input.nbytes, output.nbytes))
-            return comms.torch_all_gather()(output, input, group=group, async_op=async_op)
 
-        with patch_all_gather(all_gather):
+        with observe_all_gathers(all_gather):
             forward, backward = step_counts(model, inputs(self.rank))
         self.assertEqual(forward.get_comm_counts(), {AG: n + 1})
         self.assertEqual(backward.get_comm_counts(), {AG: n + 1, RS: n + 1})
         self.assertEqual(forward.get_comm_bytes()[AG], backward.get_comm_bytes()[AG])
-        group_bytes = sorted(4 * padded_numel(s, ws) for s in shapes.values())
+        group_bytes = sorted(4 * all_gather_numel(s, ws) for s in shapes.values())
         forward_calls, backward_calls = calls[: n + 1], calls[n + 1 :]
         self.assertEqual(sorted(out for _, _, out in forward_calls), group_bytes)
         self.assertEqual(sorted(out for _, _, out in backward_calls), group_bytes)
@@ -305,7 +279,7 @@ def test_counts_on_fake_group_at_world_size_64(reshard_after_forward):
         shapes = group_shapes(model)
         mesh = init_device_mesh("cpu", (ws,))
         shard_model(model, mesh, reshard_after_forward=reshard_after_forward)
-        all_bytes = 4 * sum(padded_numel(s, ws) for s in shapes.values())
+        all_bytes = 4 * sum(all_gather_numel(s, ws) for s in shapes.values())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             forward, backward = step_counts(model, torch.randn(2, DIM))

@@ -13,8 +13,6 @@ so a DDP reference over all ranks averages exactly what FSDP averages.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
@@ -30,6 +28,8 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from reffsdp import DataParallelMeshDims, fully_shard
+from reffsdp.testing.build import reference_and_model, shard_bottom_up
+from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLP
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_train_parity
@@ -45,10 +45,8 @@ TP_PLACEMENTS = {
 }
 
 
-def make_inputs(iteration: int, rank: int) -> torch.Tensor:
-    """Same inputs on the ranks of one TP group, different across TP groups."""
-    generator = torch.Generator().manual_seed(1000 * iteration + rank // TP)
-    return torch.randn(2, DIM, generator=generator)
+# Same inputs on the ranks of one TP group, different across TP groups.
+make_inputs = random_inputs(2, DIM, same_within=TP)
 
 
 def spmd_mesh(**sizes: int) -> DeviceMesh:
@@ -107,16 +105,12 @@ def expected_placements(mesh: DeviceMesh, dims: DataParallelMeshDims, fqn: str) 
 
 class DpMeshDimsMixin:
     def _models(self, mesh: DeviceMesh) -> tuple[nn.Module, nn.Sequential]:
-        model = nn.Sequential(MLP(DIM), MLP(DIM))
-        self.sync_module_states(model)
-        ref = copy.deepcopy(model)
+        ref, model = reference_and_model(nn.Sequential(MLP(DIM), MLP(DIM)))
         return ref, tensor_parallel(model, mesh)
 
     def _check_parity(self, mesh: DeviceMesh, dims: DataParallelMeshDims) -> None:
         ref, model = self._models(mesh)
-        for block in model:
-            fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
-        fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+        shard_bottom_up(model, model, mesh=mesh, dp_mesh_dims=dims)
         for fqn, param in model.named_parameters():
             self.assertIsInstance(param, DTensor, fqn)
             self.assertEqual(param.device_mesh, mesh, fqn)

@@ -5,8 +5,6 @@ frozen and ignored parameters, and several forwards of one group before one back
 The gradient knobs are in ``test_fully_shard_gradients.py``.
 """
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from reffsdp import fully_shard
+from reffsdp.testing.build import reference_and_model, shard_bottom_up
 from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLP, MLPStack
 from reffsdp.testing.multithread import FSDPTestMultiThread
@@ -25,15 +24,7 @@ from reffsdp.testing.patching import count_all_gathers
 pytestmark = pytest.mark.multithread
 
 
-def _vectors(dim: int, batch: int = 2):
-    return random_inputs(batch, dim)
-
-
-def _shard_stack(model: nn.Module, **kwargs) -> None:
-    """``fully_shard`` every child, then the model (bottom-up)."""
-    for child in model.children():
-        fully_shard(child, **kwargs)
-    fully_shard(model, **kwargs)
+make_inputs = random_inputs(2, 8)
 
 
 class TiedBlock(nn.Module):
@@ -93,35 +84,31 @@ class TestFullyShardParams(FSDPTestMultiThread):
     def world_size(self) -> int:
         return 2
 
-    def _ref_and_model(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
-        self.sync_module_states(model)
-        return copy.deepcopy(model), model
-
     def test_tied_params_in_one_call(self):
-        ref_model, model = self._ref_and_model(nn.Sequential(TiedBlock(8), MLP(8)))
-        _shard_stack(model)
+        ref_model, model = reference_and_model(nn.Sequential(TiedBlock(8), MLP(8)))
+        shard_bottom_up(model, model)
         self.assertIs(model[0].lin_a.weight, model[0].lin_b.weight)
-        check_train_parity(self, ref_model, model, _vectors(8), num_steps=3)
+        check_train_parity(self, ref_model, model, make_inputs, num_steps=3)
         self.assertIs(model[0].lin_a.weight, model[0].lin_b.weight)
 
     def test_grouped_call_with_shared_param(self):
-        ref_model, model = self._ref_and_model(SharedEnds(8))
+        ref_model, model = reference_and_model(SharedEnds(8))
         fully_shard(model.middle)
         fully_shard([model.first, model.last])
         fully_shard(model)
         self.assertIs(model.first.weight, model.last.weight)
         self.assertIsInstance(model.first.weight, DTensor)
-        check_train_parity(self, ref_model, model, _vectors(8), num_steps=3)
+        check_train_parity(self, ref_model, model, make_inputs, num_steps=3)
 
     def test_grouped_call_gathers_once_per_forward(self):
         # The group's post-forward runs when its last listed module finishes, so the shared
         # weight is gathered once for `first` and `last` together.
-        _, model = self._ref_and_model(SharedEnds(8))
+        _, model = reference_and_model(SharedEnds(8))
         fully_shard(model.middle)
         fully_shard([model.first, model.last])
         fully_shard(model)
         with count_all_gathers() as count, torch.no_grad():
-            model(_vectors(8)(0, self.rank))
+            model(make_inputs(0, self.rank))
         self.assertEqual(count[0], 2)  # [first, last] and middle; the root has no params
 
     def test_frozen_params(self):
@@ -135,18 +122,18 @@ class TestFullyShardParams(FSDPTestMultiThread):
         for name, param in model.named_parameters():
             if name.startswith(frozen):
                 param.requires_grad_(False)
-        ref_model, model = self._ref_and_model(model)
-        _shard_stack(model)
+        ref_model, model = reference_and_model(model)
+        shard_bottom_up(model, model)
         for name, param in model.named_parameters():
             self.assertEqual(param.requires_grad, not name.startswith(frozen), name)
-        check_train_parity(self, ref_model, model, _vectors(8), num_steps=3)
+        check_train_parity(self, ref_model, model, make_inputs, num_steps=3)
         for name, param in model.named_parameters():
             if name.startswith(frozen):
                 self.assertIsNone(param.grad, name)
 
     def test_ignored_params(self):
         model = nn.Sequential(MLP(8), MLP(8), nn.Linear(8, 8))
-        ref_model, model = self._ref_and_model(model)
+        ref_model, model = reference_and_model(model)
         ignored_names = ["0.in_proj.weight", "2.bias"]
         fully_shard(model[0], ignored_params={model[0].in_proj.weight})
         fully_shard(model[1])
@@ -157,7 +144,7 @@ class TestFullyShardParams(FSDPTestMultiThread):
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             ref_model, ignored_names
         )
-        check_train_parity(self, ref_model, model, _vectors(8), num_steps=3)
+        check_train_parity(self, ref_model, model, make_inputs, num_steps=3)
         # The ranks saw different data, so their unreduced gradients differ.
         grads = [torch.empty_like(model[0].in_proj.weight.grad) for _ in range(self.world_size)]
         dist.all_gather(grads, model[0].in_proj.weight.grad)
@@ -169,15 +156,14 @@ class TestFullyShardParams(FSDPTestMultiThread):
         )
 
     def _test_same_block_twice_in_one_forward(self, reshard_after_forward: bool):
-        ref_model, model = self._ref_and_model(RepeatedBlock(8))
-        fully_shard(model.block, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, reshard_after_forward=reshard_after_forward)
-        check_train_parity(self, ref_model, model, _vectors(8), num_steps=3)
+        ref_model, model = reference_and_model(RepeatedBlock(8))
+        shard_bottom_up(model, [model.block], reshard_after_forward=reshard_after_forward)
+        check_train_parity(self, ref_model, model, make_inputs, num_steps=3)
 
     def test_two_forwards_then_one_backward(self):
-        ref_model, model = self._ref_and_model(MLPStack(8))
-        _shard_stack(model)
-        make = _vectors(8)
+        ref_model, model = reference_and_model(MLPStack(8))
+        shard_bottom_up(model, model)
+        make = make_inputs
         check_train_parity(
             self,
             TwoForwards(ref_model),

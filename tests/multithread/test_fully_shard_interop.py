@@ -9,8 +9,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from reffsdp import fully_shard
-from reffsdp.testing import MLP, FSDPTestMultiThread, MLPStack, check_train_parity, random_inputs
+from reffsdp.testing import (
+    MLP,
+    FSDPTestMultiThread,
+    MLPStack,
+    check_train_parity,
+    random_inputs,
+    shard_bottom_up,
+)
 from reffsdp.testing.models import init_deterministic
 
 pytestmark = pytest.mark.multithread
@@ -25,9 +31,7 @@ class TestFullyShardInterop(FSDPTestMultiThread):
         model = MLPStack(8)
         init_deterministic(model)  # same weights on every rank, no dead ReLUs
         ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-        for block in model:
-            fully_shard(block)
-        fully_shard(model)
+        shard_bottom_up(model, model)
         self.assertEqual(
             [name for name, _ in model.named_parameters()],
             [name for name, _ in ddp.module.named_parameters()],
@@ -67,9 +71,7 @@ class TestFullyShardInterop(FSDPTestMultiThread):
         model = init_deterministic(MLPStack(8))
         ref_model = copy.deepcopy(model)
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, MLP))
-        for block in model:
-            fully_shard(block)
-        fully_shard(model)
+        shard_bottom_up(model, model)
         check_train_parity(
             self,
             ref_model,

@@ -10,13 +10,12 @@ The two sides differ only in how the fp32 average is formed (DDP divides then su
 reduce-scatter averages), which over 2 or 4 ranks gives the same bits.
 """
 
-import copy
-
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
 from reffsdp import MixedPrecisionPolicy, fully_shard
+from reffsdp.testing.build import reference_and_model, shard_bottom_up
 from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLPStack
 from reffsdp.testing.multithread import FSDPTestMultiThread
@@ -25,11 +24,47 @@ from reffsdp.testing.parity import LowPrecisionCompute, Passthrough, check_train
 pytestmark = pytest.mark.multithread
 
 
-def _vectors(dim: int, batch: int = 2):
-    return random_inputs(batch, dim)
+make_inputs = random_inputs(2, 8)
 
 
-class TestFullyShardMixedPrecision(FSDPTestMultiThread):
+class MixedPrecisionChecks:
+    """A test body that the gloo suite runs too (``tests/multiprocess/test_fully_shard_gloo.py``,
+    in one test with others, since each of its tests pays for starting the rank processes)."""
+
+    def check_mixed_precision_parity(
+        self, param_dtype: torch.dtype, output_dtype: torch.dtype | None
+    ):
+        ref_model, model = reference_and_model(MLPStack(8))
+        ref_model = LowPrecisionCompute(ref_model, param_dtype, output_dtype)
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32, output_dtype=output_dtype
+        )
+        shard_bottom_up(model, model, mp_policy=mp_policy)
+
+        seen = []  # (input dtype, weight dtype) as each block's forward sees them
+        for block in model:
+            block.register_forward_pre_hook(
+                lambda module, args: seen.append((args[0].dtype, module.in_proj.weight.dtype))
+            )
+        with torch.no_grad():
+            out = model(make_inputs(0, self.rank))
+        self.assertEqual(out.dtype, output_dtype or param_dtype)
+        self.assertEqual(seen, [(param_dtype, param_dtype)] * 3)  # the fp32 input was cast
+
+        # No loosened tolerances: both sides make the same casts (see the module note) and
+        # average over a power-of-two world size, where dividing is exact, so they agree to
+        # fp32 rounding (bitwise, in practice). A low-precision rounding flipped by a tiny
+        # fp32 difference would show as a mismatch far above any tolerance worth allowing.
+        check_train_parity(self, ref_model, Passthrough(model), make_inputs, num_steps=3)
+        # The optimizer only ever saw the fp32 shards, and the gradients came back in fp32.
+        for name, param in model.named_parameters():
+            self.assertIsInstance(param, DTensor, name)
+            self.assertEqual(param.dtype, torch.float32, name)
+            self.assertEqual(param.to_local().dtype, torch.float32, name)
+            self.assertEqual(param.grad.to_local().dtype, torch.float32, name)
+
+
+class TestFullyShardMixedPrecision(MixedPrecisionChecks, FSDPTestMultiThread):
     @property
     def world_size(self) -> int:
         return 2
@@ -40,50 +75,16 @@ class TestFullyShardMixedPrecision(FSDPTestMultiThread):
                 "param_dtype": [torch.bfloat16, torch.float16],
                 "output_dtype": [None, torch.float32],
             },
-            self._test_train_parity,
+            self.check_mixed_precision_parity,
         )
-
-    def _test_train_parity(self, param_dtype: torch.dtype, output_dtype: torch.dtype | None):
-        model = MLPStack(8)
-        self.sync_module_states(model)
-        ref_model = LowPrecisionCompute(copy.deepcopy(model), param_dtype, output_dtype)
-        mp_policy = MixedPrecisionPolicy(
-            param_dtype=param_dtype, reduce_dtype=torch.float32, output_dtype=output_dtype
-        )
-        for block in model:
-            fully_shard(block, mp_policy=mp_policy)
-        fully_shard(model, mp_policy=mp_policy)
-
-        seen = []  # (input dtype, weight dtype) as each block's forward sees them
-        for block in model:
-            block.register_forward_pre_hook(
-                lambda module, args: seen.append((args[0].dtype, module.in_proj.weight.dtype))
-            )
-        with torch.no_grad():
-            out = model(_vectors(8)(0, self.rank))
-        self.assertEqual(out.dtype, output_dtype or param_dtype)
-        self.assertEqual(seen, [(param_dtype, param_dtype)] * 3)  # the fp32 input was cast
-
-        # No loosened tolerances: both sides make the same casts (see the module note) and
-        # average over a power-of-two world size, where dividing is exact, so they agree to
-        # fp32 rounding (bitwise, in practice). A low-precision rounding flipped by a tiny
-        # fp32 difference would show as a mismatch far above any tolerance worth allowing.
-        check_train_parity(self, ref_model, Passthrough(model), _vectors(8), num_steps=3)
-        # The optimizer only ever saw the fp32 shards, and the gradients came back in fp32.
-        for name, param in model.named_parameters():
-            self.assertIsInstance(param, DTensor, name)
-            self.assertEqual(param.dtype, torch.float32, name)
-            self.assertEqual(param.to_local().dtype, torch.float32, name)
-            self.assertEqual(param.grad.to_local().dtype, torch.float32, name)
 
     def test_cast_forward_inputs_false_leaves_inputs_alone(self):
-        model = MLPStack(8)
-        self.sync_module_states(model)
+        _, model = reference_and_model(MLPStack(8))
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False)
         fully_shard(model, mp_policy=mp_policy)
         seen = []
         model.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
-        x = _vectors(8)(0, self.rank)
+        x = make_inputs(0, self.rank)
         with torch.no_grad():
             self.assertEqual(model(x.to(torch.bfloat16)).dtype, torch.bfloat16)
             with self.assertRaisesRegex(RuntimeError, "dtype"):  # fp32 input, bf16 weights
@@ -94,14 +95,9 @@ class TestFullyShardMixedPrecision(FSDPTestMultiThread):
     def test_reduce_dtype_only(self):
         # fp32 compute, reductions in fp32 too: reduce_dtype equal to the compute dtype is
         # dropped, and training is plain fp32 training.
-        model = MLPStack(8)
-        self.sync_module_states(model)
-        ref_model = copy.deepcopy(model)
-        mp_policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-        for block in model:
-            fully_shard(block, mp_policy=mp_policy)
-        fully_shard(model, mp_policy=mp_policy)
-        check_train_parity(self, ref_model, model, _vectors(8), num_steps=2)
+        ref_model, model = reference_and_model(MLPStack(8))
+        shard_bottom_up(model, model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+        check_train_parity(self, ref_model, model, make_inputs, num_steps=2)
 
 
 class TestFullyShardMixedPrecisionWorldSize4(TestFullyShardMixedPrecision):

@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,14 +18,15 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from reffsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from reffsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from reffsdp.core import comms
 from reffsdp.per_param.api import AllGather, ReduceScatter
+from reffsdp.testing.build import fsdp_modules, reference_and_model, shard_bottom_up
 from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLPBlocks
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_train_parity
-from reffsdp.testing.patching import patch_all_gather, patch_reduce_scatter
+from reffsdp.testing.patching import observe_all_gathers, observe_reduce_scatters
 
 pytestmark = pytest.mark.multithread
 
@@ -38,11 +37,7 @@ NUM_BLOCKS = 3
 make_inputs = random_inputs(2, DIM)
 
 
-def fsdp_modules(model: MLPBlocks) -> list[FSDPModule]:
-    return [*model.layers, model]
-
-
-class CountingAllGather(AllGather):
+class _CountingComm:
     """Counts allocations and calls; the collective itself is ``torch.distributed``'s."""
 
     def __init__(self) -> None:
@@ -53,21 +48,15 @@ class CountingAllGather(AllGather):
         self.allocations += 1
         return torch.empty(*size, dtype=dtype, device=device)
 
+
+class CountingAllGather(_CountingComm, AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.calls += 1
         all_gather = comms.torch_all_gather()  # dist.all_gather_single on torch 2.13
         return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class CountingReduceScatter(ReduceScatter):
-    def __init__(self) -> None:
-        self.allocations = 0
-        self.calls = 0
-
-    def allocate(self, size, *, dtype, device):
-        self.allocations += 1
-        return torch.empty(*size, dtype=dtype, device=device)
-
+class CountingReduceScatter(_CountingComm, ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.calls += 1
         reduce_scatter = comms.torch_reduce_scatter()  # dist.reduce_scatter_single on 2.13
@@ -80,14 +69,9 @@ class TestOffloadAndComms(FSDPTestMultiThread):
         return 2
 
     def _ref_and_model(self, **fsdp_kwargs) -> tuple[nn.Module, MLPBlocks]:
-        model = MLPBlocks(DIM, (3,) * NUM_BLOCKS)
-        self.sync_module_states(model)
-        ref = copy.deepcopy(model)
+        ref, model = reference_and_model(MLPBlocks(DIM, (3,) * NUM_BLOCKS))
         mesh = init_device_mesh("cpu", (self.world_size,))
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh, **fsdp_kwargs)
-        fully_shard(model, mesh=mesh, **fsdp_kwargs)
-        return ref, model
+        return ref, shard_bottom_up(model, model.layers, mesh=mesh, **fsdp_kwargs)
 
     # -- CPU offload --------------------------------------------------------------------
 
@@ -173,17 +157,13 @@ class TestOffloadAndComms(FSDPTestMultiThread):
         all_gather_groups: list[dist.ProcessGroup] = []
         reduce_scatter_groups: list[dist.ProcessGroup] = []
 
-        def all_gather(output, input, group=None, async_op=False):
+        def all_gather(output, input, group):
             all_gather_groups.append(group)
-            return comms.torch_all_gather()(output, input, group=group, async_op=async_op)
 
-        def reduce_scatter(output, input, op=None, group=None, async_op=False):
+        def reduce_scatter(output, input, op, group):
             reduce_scatter_groups.append(group)
-            return comms.torch_reduce_scatter()(
-                output, input, op=op, group=group, async_op=async_op
-            )
 
-        with patch_all_gather(all_gather), patch_reduce_scatter(reduce_scatter):
+        with observe_all_gathers(all_gather), observe_reduce_scatters(reduce_scatter):
             check_train_parity(self, ref, model, make_inputs, num_steps=2)
         self.assertEqual(len(reduce_scatter_groups), 2 * (NUM_BLOCKS + 1))
         self.assertEqual(len(all_gather_groups), 2 * (2 * NUM_BLOCKS + 1))
@@ -200,7 +180,7 @@ class TestOffloadAndComms(FSDPTestMultiThread):
         # Turning it off goes back to the shard group.
         model.set_separate_reduce_scatter_group(False)
         reduce_scatter_groups.clear()
-        with patch_reduce_scatter(reduce_scatter):
+        with observe_reduce_scatters(reduce_scatter):
             model(make_inputs(0, self.rank)).sum().backward()
         self.assertEqual({id(g) for g in reduce_scatter_groups}, gather_ids)
 
@@ -217,13 +197,10 @@ class TestOffloadAndComms(FSDPTestMultiThread):
         written_at_issue: list[int] = []
         first_params = [model.proj.weight, *(layer.in_proj.weight for layer in model.layers)]
 
-        def reduce_scatter(output, input, op=None, group=None, async_op=False):
+        def reduce_scatter(output, input, op, group):
             written_at_issue.append(sum(p.grad is not None for p in first_params))
-            return comms.torch_reduce_scatter()(
-                output, input, op=op, group=group, async_op=async_op
-            )
 
-        with patch_reduce_scatter(reduce_scatter):
+        with observe_reduce_scatters(reduce_scatter):
             model(make_inputs(0, self.rank)).sum().backward()
         expected = [max(0, j - max_input_buffers) for j in range(NUM_BLOCKS + 1)]
         self.assertEqual(written_at_issue, expected)

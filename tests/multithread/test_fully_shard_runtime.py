@@ -5,47 +5,33 @@ Explicit forward and backward prefetching, explicit (async) unsharding before fo
 after an exception, and ``reshard()`` after an ``unshard()`` with no forward.
 """
 
-import contextlib
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from reffsdp import FSDPModule, fully_shard, register_fsdp_forward_method, share_comm_ctx
-from reffsdp.core import comms
+from reffsdp import FSDPModule, register_fsdp_forward_method, share_comm_ctx
+from reffsdp.testing.build import reference_and_model, shard_bottom_up
 from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLP, MLPStack
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import Passthrough, check_train_parity
-from reffsdp.testing.patching import patch_all_gather
+from reffsdp.testing.patching import observe_all_gathers
 
 pytestmark = pytest.mark.multithread
 
 
-def _vectors(dim: int, batch: int = 2):
-    return random_inputs(batch, dim)
+make_inputs = random_inputs(2, 8)
 
 
 def _shard_mlps(model: nn.Module, **kwargs) -> None:
     """``fully_shard`` every :class:`MLP` in ``model``, then ``model``, which owns the rest."""
-    for module in model.modules():
-        if isinstance(module, MLP):
-            fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
+    shard_bottom_up(model, [m for m in model.modules() if isinstance(m, MLP)], **kwargs)
 
 
-@contextlib.contextmanager
 def _record_all_gathers(record):
     """Call ``record()`` at each of this rank's reffsdp all-gathers."""
-
-    def recording(output, input, group=None, async_op=False):
-        record()
-        return comms.torch_all_gather()(output, input, group=group, async_op=async_op)
-
-    with patch_all_gather(recording):
-        yield
+    return observe_all_gathers(lambda output, input, group: record())
 
 
 class UnshardBeforeForward(nn.Module):
@@ -132,12 +118,8 @@ class TestFullyShardRuntime(FSDPTestMultiThread):
     def world_size(self) -> int:
         return 2
 
-    def _ref_and_model(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
-        self.sync_module_states(model)
-        return copy.deepcopy(model), model
-
     def test_explicit_prefetching(self):
-        ref_model, model = self._ref_and_model(MLPStack(8))
+        ref_model, model = reference_and_model(MLPStack(8))
         _shard_mlps(model)
         blocks = list(model)
         for i, block in enumerate(blocks):
@@ -151,7 +133,7 @@ class TestFullyShardRuntime(FSDPTestMultiThread):
         with torch.no_grad():
             at_all_gather = []
             with _record_all_gathers(lambda: at_all_gather.append(forwards_started[0])):
-                model(_vectors(8)(0, self.rank))
+                model(make_inputs(0, self.rank))
         # Block 0's pre-forward also gathers block 1, and block 1's gathers block 2: each
         # block's all-gather is issued while the block before it is about to run.
         self.assertEqual(at_all_gather, [0, 0, 1])
@@ -159,44 +141,40 @@ class TestFullyShardRuntime(FSDPTestMultiThread):
         num_steps = 2
         all_gathers = []
         with _record_all_gathers(lambda: all_gathers.append(1)):
-            check_train_parity(self, ref_model, model, _vectors(8), num_steps=num_steps)
+            check_train_parity(self, ref_model, model, make_inputs, num_steps=num_steps)
         self.assertEqual(len(all_gathers), num_steps * 3 * 2)  # each block: forward, backward
 
     def test_unshard_before_forward(self):
         self.run_subtests({"wait": [True, False]}, self._test_unshard_before_forward)
 
     def _test_unshard_before_forward(self, wait: bool):
-        ref_model, model = self._ref_and_model(nn.Sequential(MLP(8), MLP(8), nn.Linear(8, 8)))
+        ref_model, model = reference_and_model(nn.Sequential(MLP(8), MLP(8), nn.Linear(8, 8)))
         _shard_mlps(model, reshard_after_forward=True)
         wrapped = UnshardBeforeForward(model, wait)
-        check_train_parity(self, Passthrough(ref_model), wrapped, _vectors(8), num_steps=3)
+        check_train_parity(self, Passthrough(ref_model), wrapped, make_inputs, num_steps=3)
         # The explicit unshard did every forward all-gather; forward only waited for them.
         self.assertEqual(wrapped.forward_all_gathers, [0, 0, 0])
 
     def test_register_fsdp_forward_method(self):
-        ref_model, model = self._ref_and_model(Decoder(8))
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        ref_model, model = reference_and_model(Decoder(8))
+        shard_bottom_up(model, model.blocks)
         register_fsdp_forward_method(model, "generate")
-        check_train_parity(self, CallGenerate(ref_model), CallGenerate(model), _vectors(8))
+        check_train_parity(self, CallGenerate(ref_model), CallGenerate(model), make_inputs)
 
     def test_generate_without_registering_fails(self):
-        _, model = self._ref_and_model(Decoder(8))
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        _, model = reference_and_model(Decoder(8))
+        shard_bottom_up(model, model.blocks)
         # The root's own parameters (embed, head) are only gathered around forward.
         with self.assertRaisesRegex(RuntimeError, "mixed torch.Tensor and DTensor"):
-            model.generate(_vectors(8)(0, self.rank))
+            model.generate(make_inputs(0, self.rank))
 
     def test_share_comm_ctx_between_roots(self):
         stages = nn.Sequential(nn.Sequential(MLP(8), MLP(8)), nn.Sequential(MLP(8), MLP(8)))
-        ref_model, model = self._ref_and_model(stages)
+        ref_model, model = reference_and_model(stages)
         for stage in model:  # two roots, e.g. two pipeline stages on these ranks
             _shard_mlps(stage)
         share_comm_ctx(list(model))
-        check_train_parity(self, ref_model, model, _vectors(8), num_steps=3)
+        check_train_parity(self, ref_model, model, make_inputs, num_steps=3)
 
     def test_reset_iter_state_after_exception(self):
         self.run_subtests(
@@ -206,11 +184,11 @@ class TestFullyShardRuntime(FSDPTestMultiThread):
 
     def _test_reset_iter_state_after_exception(self, fail_in: str, reshard_after_forward: bool):
         model = nn.Sequential(MLP(8), FlakyMLP(8), MLP(8), nn.Linear(8, 8))
-        ref_model, model = self._ref_and_model(model)
+        ref_model, model = reference_and_model(model)
         _shard_mlps(model, reshard_after_forward=reshard_after_forward)
         model[1].fail_in = fail_in
         with self.assertRaisesRegex(FlakyError, fail_in):
-            model(_vectors(8)(0, self.rank)).sum().backward()
+            model(make_inputs(0, self.rank)).sum().backward()
         model[1].fail_in = None
         with self.assertRaisesRegex(RuntimeError, "root"):
             model[1].reset_iter_state()
@@ -221,10 +199,10 @@ class TestFullyShardRuntime(FSDPTestMultiThread):
         # the next step starts from zeroed gradients, like the reference's.
         model.zero_grad(set_to_none=True)
         # Training continues as if the failed iteration never happened.
-        check_train_parity(self, ref_model, model, _vectors(8), num_steps=3)
+        check_train_parity(self, ref_model, model, make_inputs, num_steps=3)
 
     def test_reshard_after_unshard_without_forward(self):
-        ref_model, model = self._ref_and_model(nn.Sequential(MLP(8), nn.Linear(8, 8)))
+        ref_model, model = reference_and_model(nn.Sequential(MLP(8), nn.Linear(8, 8)))
         _shard_mlps(model)
         model.unshard()
         for name, ref_param in ref_model[1].named_parameters():
@@ -235,7 +213,7 @@ class TestFullyShardRuntime(FSDPTestMultiThread):
         model.reshard()
         for name, param in model.named_parameters():
             self.assertIsInstance(param, DTensor, name)
-        check_train_parity(self, ref_model, model, _vectors(8), num_steps=3)
+        check_train_parity(self, ref_model, model, make_inputs, num_steps=3)
 
 
 class TestFullyShardRuntimeWorldSize4(TestFullyShardRuntime):

@@ -5,32 +5,19 @@ A state dict holds the sharded DTensors themselves; loading one (in place or wit
 dtype after sharding must all leave a model that trains exactly like DDP.
 """
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from reffsdp import fully_shard
+from reffsdp.testing.build import reference_and_model, shard_bottom_up
 from reffsdp.testing.inputs import random_inputs
-from reffsdp.testing.models import MLP, MLPStack
+from reffsdp.testing.models import MLP, MLPStack, init_deterministic
 from reffsdp.testing.multithread import FSDPTestMultiThread
-from reffsdp.testing.parity import check_train_parity
+from reffsdp.testing.parity import check_state_dict_parity, check_train_parity
 
 pytestmark = pytest.mark.multithread
-
-
-def _vectors(dim: int, batch: int = 2, dtype: torch.dtype = torch.float32):
-    return random_inputs(batch, dim, dtype=dtype)
-
-
-def _shard_stack(model: nn.Module, **kwargs) -> nn.Module:
-    for block in model:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -43,14 +30,36 @@ def _buffered_stack(dim: int, device: torch.device | str | None = None) -> nn.Se
     )
 
 
-class TestFullyShardStateDict(FSDPTestMultiThread):
+class StateDictChecks:
+    """A test body that the gloo suite runs too (``tests/multiprocess/test_fully_shard_gloo.py``,
+    in one test with others, since each of its tests pays for starting the rank processes)."""
+
+    def check_load_state_dict_of_shards(self, meta_init: bool):
+        """Load the reference's tensors, cut as shards, into a model with other weights."""
+        ref_model = init_deterministic(_buffered_stack(5))  # live ReLUs, whatever the RNG
+        self.sync_module_states(ref_model)  # the buffers
+        if meta_init:
+            with torch.device("meta"):
+                model = _buffered_stack(5)
+            shard_bottom_up(model, model)
+            self.assertEqual(model[0].in_proj.weight.device, torch.device("meta"))
+            model.to_empty(device="cpu")
+        else:
+            model = _buffered_stack(5)  # unsynchronized weights
+            shard_bottom_up(model, model)
+        sharded = {
+            name: distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+            for (name, value), param in zip(ref_model.named_parameters(), model.parameters())
+        }
+        model.load_state_dict({**sharded, **dict(ref_model.named_buffers())})
+        check_train_parity(self, ref_model, model, random_inputs(2, 5), num_steps=3)
+        check_state_dict_parity(self, ref_model, model)
+
+
+class TestFullyShardStateDict(StateDictChecks, FSDPTestMultiThread):
     @property
     def world_size(self) -> int:
         return 2
-
-    def _ref_and_model(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
-        self.sync_module_states(model)
-        return copy.deepcopy(model), _shard_stack(model)
 
     def test_state_dict_holds_the_sharded_params(self):
         self.run_subtests(
@@ -58,13 +67,11 @@ class TestFullyShardStateDict(FSDPTestMultiThread):
         )
 
     def _test_state_dict_holds_sharded(self, reshard_after_forward: bool):
-        model = _buffered_stack(5)
-        self.sync_module_states(model)
-        ref_model = copy.deepcopy(model)
-        _shard_stack(model, reshard_after_forward=reshard_after_forward)
+        ref_model, model = reference_and_model(_buffered_stack(5))
+        shard_bottom_up(model, model, reshard_after_forward=reshard_after_forward)
         # Between forward and backward (unsharded parameters registered without resharding)
         # the state dict still holds the sharded parameters.
-        loss = model(_vectors(5)(0, self.rank)).sum()
+        loss = model(random_inputs(2, 5)(0, self.rank)).sum()
         state_dict = model.state_dict()
         ref_state_dict = ref_model.state_dict()
         self.assertEqual(list(state_dict), list(ref_state_dict))  # original FQNs, no prefix
@@ -84,8 +91,10 @@ class TestFullyShardStateDict(FSDPTestMultiThread):
         self.run_subtests({"assign": [False, True]}, self._test_load_state_dict)
 
     def _test_load_state_dict(self, assign: bool):
-        ref_model, source = self._ref_and_model(MLPStack(5))
-        target = _shard_stack(MLPStack(5))  # different (and unsynchronized) weights
+        ref_model, source = reference_and_model(MLPStack(5))
+        shard_bottom_up(source, source)
+        target = MLPStack(5)  # different (and unsynchronized) weights
+        shard_bottom_up(target, target)
         params_before = list(target.parameters())
         target.load_state_dict(source.state_dict(), assign=assign)
         for (name, param), before, source_param in zip(
@@ -97,28 +106,16 @@ class TestFullyShardStateDict(FSDPTestMultiThread):
             # Loaded in place, or assigned and then re-padded into storage of its own.
             self.assertEqual(param is before, not assign, name)
             self.assertFalse(_same_storage(param.to_local(), source_param.to_local()), name)
-        check_train_parity(self, ref_model, target, _vectors(5), num_steps=3)
+        check_train_parity(self, ref_model, target, random_inputs(2, 5), num_steps=3)
 
-    def test_meta_device_init_then_load_state_dict(self):
-        ref_model = _buffered_stack(5)
-        self.sync_module_states(ref_model)
-        with torch.device("meta"):
-            model = _buffered_stack(5)
-        _shard_stack(model)
-        self.assertEqual(model[0].in_proj.weight.device, torch.device("meta"))
-        model.to_empty(device="cpu")
-        sharded = {
-            name: distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-            for (name, value), param in zip(ref_model.named_parameters(), model.parameters())
-        }
-        model.load_state_dict({**sharded, **dict(ref_model.named_buffers())})
-        check_train_parity(self, ref_model, model, _vectors(5), num_steps=3)
+    def test_load_state_dict_of_shards(self):
+        self.run_subtests({"meta_init": [True, False]}, self.check_load_state_dict_of_shards)
 
     @pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete support")
     def test_meta_device_init_then_reset_parameters(self):
         with torch.device("meta"):
             model = _buffered_stack(5)
-        _shard_stack(model)
+        shard_bottom_up(model, model)
         model.to_empty(device="cpu")
         for module in model.modules():
             if hasattr(module, "reset_parameters"):
@@ -136,20 +133,21 @@ class TestFullyShardStateDict(FSDPTestMultiThread):
                 for name, value in model.state_dict().items()
             }
         )
-        check_train_parity(self, ref_model, model, _vectors(5, batch=8), num_steps=3)
+        check_train_parity(self, ref_model, model, random_inputs(8, 5), num_steps=3)
 
     def test_first_forward_on_meta_raises(self):
         with torch.device("meta"):
             model = MLPStack(5)
-        _shard_stack(model)
+        shard_bottom_up(model, model)
         with self.assertRaisesRegex(RuntimeError, "meta"):
-            model(_vectors(5)(0, self.rank))
+            model(random_inputs(2, 5)(0, self.rank))
 
     def test_dtype_cast_after_sharding(self):
         self.run_subtests({"cast": ["double", "to"]}, self._test_dtype_cast_after_sharding)
 
     def _test_dtype_cast_after_sharding(self, cast: str):
-        ref_model, model = self._ref_and_model(MLPStack(5))
+        ref_model, model = reference_and_model(MLPStack(5))
+        shard_bottom_up(model, model)
         for m in (ref_model, model):
             if cast == "double":
                 m.double()
@@ -159,7 +157,8 @@ class TestFullyShardStateDict(FSDPTestMultiThread):
             self.assertIsInstance(param, DTensor, name)
             self.assertEqual(param.dtype, torch.float64, name)
             self.assertEqual(param.to_local().dtype, torch.float64, name)
-        check_train_parity(self, ref_model, model, _vectors(5, dtype=torch.float64), num_steps=3)
+        make_inputs = random_inputs(2, 5, dtype=torch.float64)
+        check_train_parity(self, ref_model, model, make_inputs, num_steps=3)
         for name, param in model.named_parameters():
             self.assertEqual(param.grad.dtype, torch.float64, name)
 

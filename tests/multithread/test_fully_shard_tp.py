@@ -27,6 +27,8 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from reffsdp import MixedPrecisionPolicy, fully_shard
+from reffsdp.testing.build import reference_and_model, shard_bottom_up
+from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.meshes import mesh_dp_tp, mesh_nd
 from reffsdp.testing.models import MLPStack
 from reffsdp.testing.multithread import FSDPTestMultiThread
@@ -39,10 +41,8 @@ TP = 2
 TP_PLAN = {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
 
 
-def make_inputs(iteration: int, rank: int) -> torch.Tensor:
-    """Same inputs on the ranks of one TP group, different across TP groups."""
-    generator = torch.Generator().manual_seed(1000 * iteration + rank // TP)
-    return torch.randn(2, DIM, generator=generator)
+# Same inputs on the ranks of one TP group, different across TP groups.
+make_inputs = random_inputs(2, DIM, same_within=TP)
 
 
 def parallelize(model: MLPStack, tp_mesh: DeviceMesh) -> MLPStack:
@@ -55,11 +55,7 @@ def tp_and_shard(model: MLPStack, mesh: DeviceMesh, **fsdp_kwargs) -> MLPStack:
     """TP over ``mesh["tp"]``, then ``fully_shard`` over the other (data-parallel) dims."""
     dp_names = tuple(name for name in mesh.mesh_dim_names if name != "tp")
     parallelize(model, mesh["tp"])
-    dp_mesh = mesh[dp_names]
-    for block in model:
-        fully_shard(block, mesh=dp_mesh, **fsdp_kwargs)
-    fully_shard(model, mesh=dp_mesh, **fsdp_kwargs)
-    return model
+    return shard_bottom_up(model, model, mesh=mesh[dp_names], **fsdp_kwargs)
 
 
 def expected_placements(dp: tuple, name: str) -> tuple:
@@ -74,9 +70,7 @@ def expected_placements(dp: tuple, name: str) -> tuple:
 
 class NDTestMixin:
     def _ref_and_model(self) -> tuple[nn.Module, MLPStack]:
-        model = MLPStack(DIM)
-        self.sync_module_states(model)
-        return copy.deepcopy(model), model
+        return reference_and_model(MLPStack(DIM))
 
     def _check_full_tensors(self, model: nn.Module, ref: nn.Module, *, grads: bool) -> None:
         for (name, param), (ref_name, ref_param) in zip(

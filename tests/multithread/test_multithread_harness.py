@@ -153,3 +153,43 @@ def test_c10d_state_is_clean_after_a_failed_test():
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_spinning_past_the_deadline_is_ended():
+    class Spinning(FSDPTestMultiThread):
+        timeout_s = 1.0
+
+        def test_rank_1_spins(self):
+            if self.rank == 1:
+                while True:  # pure Python: ended by an exception raised in its thread
+                    pass
+            dist.barrier()
+
+    result = _run_case(Spinning)
+    assert len(result.errors) == 1
+    assert "rank 1 did not finish within 1s" in result.errors[0][1]
+    assert "could not be stopped" not in result.errors[0][1]
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("rank")]
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_blocked_outside_python_is_reported_and_ends_once_it_returns():
+    release = threading.Event()
+
+    class Blocked(FSDPTestMultiThread):
+        timeout_s = 1.0
+
+        def test_rank_1_blocks(self):
+            if self.rank == 1:
+                release.wait()  # a lock wait in C, which nothing can interrupt
+
+    result = _run_case(Blocked)
+    assert len(result.errors) == 1
+    assert "rank 1 could not be stopped" in result.errors[0][1]
+    (late,) = [thread for thread in threading.enumerate() if thread.name == "rank1"]
+    # The next test runs clean beside it.
+    assert _run_case(TestHarnessInterface).wasSuccessful()
+    release.set()  # back in Python, the rank raises the exception left pending for it
+    late.join(10)
+    assert not late.is_alive()

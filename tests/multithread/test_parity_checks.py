@@ -9,6 +9,7 @@ knobs that plant the bugs a real implementation could have.
 
 import contextlib
 import copy
+import unittest
 
 import pytest
 import torch
@@ -57,86 +58,6 @@ def _copy_grads_as_shards(ref_model: nn.Module, sharded_model: nn.Module) -> Non
             param.grad = distribute_tensor(
                 ref_param.grad, param.device_mesh, param.placements, src_data_rank=None
             )
-
-
-class TestCheckShardedParity(FSDPTestMultiThread):
-    @property
-    def world_size(self) -> int:
-        return 2
-
-    def _ref_and_sharded(self, model: nn.Module | None = None):
-        """A reference that has run backward and its hand-sharded twin with matching grads."""
-        ref_model = _synced(model or MLP(5))  # out_proj has 5 rows: shards of 3 and 2
-        sharded_model = _shard_by_hand(ref_model, init_device_mesh("cpu", (self.world_size,)))
-        out = ref_model(_inputs(0, self.rank))
-        sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
-        _copy_grads_as_shards(ref_model, sharded_model)
-        return ref_model, sharded_model
-
-    def test_passes_on_matching_params_and_grads(self):
-        ref_model = _synced(MLP(5))
-        sharded_model = _shard_by_hand(ref_model, init_device_mesh("cpu", (self.world_size,)))
-        check_sharded_parity(self, ref_model, sharded_model)  # no grads on either side
-        ref_model, sharded_model = self._ref_and_sharded()
-        check_sharded_parity(self, ref_model, sharded_model)
-
-    def test_passes_when_an_unused_param_has_no_grad_on_both_sides(self):
-        ref_model, sharded_model = self._ref_and_sharded(DoubleLinear(5, use_second_linear=False))
-        self.assertIsNone(sharded_model.lin2.weight.grad)
-        check_sharded_parity(self, ref_model, sharded_model)
-
-    def test_catches_a_grad_shard_scaled_on_one_rank(self):
-        ref_model, sharded_model = self._ref_and_sharded()
-        if self.rank == 1:
-            sharded_model.in_proj.weight.grad.to_local().mul_(2)
-            expected = r"grad of 'in_proj.weight' on rank 1: max abs diff"
-        else:
-            expected = r"failed on rank\(s\) \[1\]; rank 0 matched"
-        with self.assertRaisesRegex(AssertionError, expected):
-            check_sharded_parity(self, ref_model, sharded_model)
-
-    def test_catches_a_wrong_param_slice(self):
-        ref_model = _synced(MLP(4))
-        mesh = init_device_mesh("cpu", (self.world_size,))
-        sharded_model = _shard_by_hand(ref_model, mesh)
-        # Every rank holds the rows of the reference rolled by one: right shape, wrong rows.
-        rolled = torch.roll(ref_model.in_proj.weight.detach(), shifts=1, dims=0)
-        sharded_model.in_proj.weight = nn.Parameter(distribute_tensor(rolled, mesh, [Shard(0)]))
-        with self.assertRaisesRegex(AssertionError, rf"param 'in_proj.weight' on rank {self.rank}"):
-            check_sharded_parity(self, ref_model, sharded_model)
-
-    def test_catches_a_missing_grad(self):
-        ref_model, sharded_model = self._ref_and_sharded()
-        sharded_model.out_proj.bias.grad = None
-        expected = "grad of 'out_proj.bias' .*: None but the reference's is set"
-        with self.assertRaisesRegex(AssertionError, expected):
-            check_sharded_parity(self, ref_model, sharded_model)
-
-    def test_rejects_plain_tensor_params(self):
-        ref_model = _synced(MLP(4))
-        with self.assertRaisesRegex(AssertionError, "'in_proj.weight' is a Parameter, expected"):
-            check_sharded_parity(self, ref_model, copy.deepcopy(ref_model))
-
-    def test_rejects_shard0_shard0(self):
-        ref_model = _synced(MLP(4))
-        mesh = init_device_mesh("cpu", (self.world_size, 1))
-        sharded_model = _shard_by_hand(ref_model, mesh, placements=(Shard(0), Shard(0)))
-        with self.assertRaisesRegex(ValueError, r"\(Shard\(0\), Shard\(0\)\)"):
-            check_sharded_parity(self, ref_model, sharded_model)
-
-    def test_prefixes_to_ignore(self):
-        ref_model, sharded_model = self._ref_and_sharded()
-        wrapped = nn.ModuleDict({"wrapped": sharded_model})
-        with self.assertRaisesRegex(AssertionError, "parameter names differ"):
-            check_sharded_parity(self, ref_model, wrapped)
-        check_sharded_parity(self, ref_model, wrapped, prefixes_to_ignore=("wrapped.",))
-
-    def test_without_a_test_case_raises_assertion_error(self):
-        ref_model, sharded_model = self._ref_and_sharded()
-        sharded_model.out_proj.weight.grad.to_local().add_(0.5)
-        pattern = rf"grad of 'out_proj.weight' on rank {self.rank}: max abs diff 0.5 "
-        with self.assertRaisesRegex(AssertionError, pattern):
-            check_sharded_parity(None, ref_model, sharded_model)
 
 
 class HandDataParallel(nn.Module):
@@ -223,42 +144,147 @@ class HandShardedMLP(nn.Module):
             local_grad.mul_(2)
 
 
-class TestCheckTrainParity(FSDPTestMultiThread):
-    @property
-    def world_size(self) -> int:
-        return 2
+def _ref_and_sharded(test: unittest.TestCase, model: nn.Module | None = None):
+    """A reference that has run backward and its hand-sharded twin with matching grads."""
+    ref_model = _synced(model or MLP(5))  # out_proj has 5 rows: shards of 3 and 2
+    sharded_model = _shard_by_hand(ref_model, init_device_mesh("cpu", (test.world_size,)))
+    out = ref_model(_inputs(0, test.rank))
+    sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
+    _copy_grads_as_shards(ref_model, sharded_model)
+    return ref_model, sharded_model
 
-    def _check(self, make_model=lambda m: HandDataParallel(m), prefix="module.", **kwargs):
-        ref_model = _synced(MLP(5))
-        model = make_model(copy.deepcopy(ref_model))
-        return check_train_parity(
-            self, ref_model, model, _inputs, prefixes_to_ignore=(prefix,), **kwargs
-        )
+
+def _train(test: unittest.TestCase, make_model=None, prefix="module.", **kwargs) -> list[float]:
+    """``check_train_parity`` of ``make_model(copy of an MLP)`` (default: hand DDP)."""
+    make_model = make_model or HandDataParallel
+    ref_model = _synced(MLP(5))
+    model = make_model(copy.deepcopy(ref_model))
+    return check_train_parity(
+        test, ref_model, model, _inputs, prefixes_to_ignore=(prefix,), **kwargs
+    )
+
+
+class ParityCheckTests:
+    """The checkers' main cases: a right answer passes, planted bugs fail on every rank.
+
+    Also run over gloo processes (``tests/multiprocess/test_parity_gloo.py``), where the
+    collectives, DDP and the checkers' verdict all-reduce run on a real backend.
+    """
 
     def test_hand_data_parallel_matches_ddp(self):
-        losses = self._check(num_steps=3)
+        losses = _train(self, num_steps=3)
         self.assertEqual(len(losses), 3)
-
-    def test_gradient_accumulation(self):
-        def run(use_no_sync: bool):
-            no_sync = (lambda model: model.no_sync()) if use_no_sync else None
-            self._check(num_steps=2, num_microbatches=2, no_sync=no_sync)
-
-        self.run_subtests({"use_no_sync": [False, True]}, run)
 
     def test_catches_sum_instead_of_average(self):
         with self.assertRaisesRegex(AssertionError, "step 0 after backward: .*\n.*grad of"):
-            self._check(make_model=lambda m: HandDataParallel(m, divide=False))
-
-    def test_catches_a_skipped_all_reduce(self):
-        with self.assertRaisesRegex(AssertionError, "step 0 after backward: .*\n.*grad of"):
-            self._check(make_model=lambda m: HandDataParallel(m, all_reduce=False))
+            _train(self, make_model=lambda m: HandDataParallel(m, divide=False))
 
     def test_catches_a_grad_scaled_on_one_rank(self):
         make_model = lambda m: HandDataParallel(m, scale_grad_on_rank=1)
         expected = "rank 1: max abs diff" if self.rank == 1 else r"failed on rank\(s\) \[1\]"
         with self.assertRaisesRegex(AssertionError, expected):
-            self._check(make_model=make_model)
+            _train(self, make_model=make_model)
+
+    def test_catches_a_grad_shard_scaled_on_one_rank(self):
+        self.run_subtests(
+            {"bad_rank": [0, 1], "param_name": ["in_proj.weight", "out_proj.bias"]},
+            self._check_grad_shard_scaled_on_one_rank,
+        )
+
+    def _check_grad_shard_scaled_on_one_rank(self, bad_rank: int, param_name: str):
+        ref_model, sharded_model = _ref_and_sharded(self)
+        check_sharded_parity(self, ref_model, sharded_model)
+        if self.rank == bad_rank:
+            sharded_model.get_parameter(param_name).grad.to_local().mul_(2)
+            expected = rf"grad of '{param_name}' on rank {bad_rank}: max abs diff"
+        else:
+            expected = rf"failed on rank\(s\) \[{bad_rank}\]; rank {self.rank} matched"
+        with self.assertRaisesRegex(AssertionError, expected):
+            check_sharded_parity(self, ref_model, sharded_model)
+
+
+class TestParityChecks(ParityCheckTests, FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+
+class TestCheckShardedParity(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_passes_on_matching_params_and_grads(self):
+        ref_model = _synced(MLP(5))
+        sharded_model = _shard_by_hand(ref_model, init_device_mesh("cpu", (self.world_size,)))
+        check_sharded_parity(self, ref_model, sharded_model)  # no grads on either side
+        ref_model, sharded_model = _ref_and_sharded(self)
+        check_sharded_parity(self, ref_model, sharded_model)
+
+    def test_passes_when_an_unused_param_has_no_grad_on_both_sides(self):
+        ref_model, sharded_model = _ref_and_sharded(self, DoubleLinear(5, use_second_linear=False))
+        self.assertIsNone(sharded_model.lin2.weight.grad)
+        check_sharded_parity(self, ref_model, sharded_model)
+
+    def test_catches_a_wrong_param_slice(self):
+        ref_model = _synced(MLP(4))
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        sharded_model = _shard_by_hand(ref_model, mesh)
+        # Every rank holds the rows of the reference rolled by one: right shape, wrong rows.
+        rolled = torch.roll(ref_model.in_proj.weight.detach(), shifts=1, dims=0)
+        sharded_model.in_proj.weight = nn.Parameter(distribute_tensor(rolled, mesh, [Shard(0)]))
+        with self.assertRaisesRegex(AssertionError, rf"param 'in_proj.weight' on rank {self.rank}"):
+            check_sharded_parity(self, ref_model, sharded_model)
+
+    def test_catches_a_missing_grad(self):
+        ref_model, sharded_model = _ref_and_sharded(self)
+        sharded_model.out_proj.bias.grad = None
+        expected = "grad of 'out_proj.bias' .*: None but the reference's is set"
+        with self.assertRaisesRegex(AssertionError, expected):
+            check_sharded_parity(self, ref_model, sharded_model)
+
+    def test_rejects_plain_tensor_params(self):
+        ref_model = _synced(MLP(4))
+        with self.assertRaisesRegex(AssertionError, "'in_proj.weight' is a Parameter, expected"):
+            check_sharded_parity(self, ref_model, copy.deepcopy(ref_model))
+
+    def test_rejects_shard0_shard0(self):
+        ref_model = _synced(MLP(4))
+        mesh = init_device_mesh("cpu", (self.world_size, 1))
+        sharded_model = _shard_by_hand(ref_model, mesh, placements=(Shard(0), Shard(0)))
+        with self.assertRaisesRegex(ValueError, r"\(Shard\(0\), Shard\(0\)\)"):
+            check_sharded_parity(self, ref_model, sharded_model)
+
+    def test_prefixes_to_ignore(self):
+        ref_model, sharded_model = _ref_and_sharded(self)
+        wrapped = nn.ModuleDict({"wrapped": sharded_model})
+        with self.assertRaisesRegex(AssertionError, "parameter names differ"):
+            check_sharded_parity(self, ref_model, wrapped)
+        check_sharded_parity(self, ref_model, wrapped, prefixes_to_ignore=("wrapped.",))
+
+    def test_without_a_test_case_raises_assertion_error(self):
+        ref_model, sharded_model = _ref_and_sharded(self)
+        sharded_model.out_proj.weight.grad.to_local().add_(0.5)
+        pattern = rf"grad of 'out_proj.weight' on rank {self.rank}: max abs diff 0.5 "
+        with self.assertRaisesRegex(AssertionError, pattern):
+            check_sharded_parity(None, ref_model, sharded_model)
+
+
+class TestCheckTrainParity(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_gradient_accumulation(self):
+        def run(use_no_sync: bool):
+            no_sync = (lambda model: model.no_sync()) if use_no_sync else None
+            _train(self, num_steps=2, num_microbatches=2, no_sync=no_sync)
+
+        self.run_subtests({"use_no_sync": [False, True]}, run)
+
+    def test_catches_a_skipped_all_reduce(self):
+        with self.assertRaisesRegex(AssertionError, "step 0 after backward: .*\n.*grad of"):
+            _train(self, make_model=lambda m: HandDataParallel(m, all_reduce=False))
 
     def test_catches_a_wrong_loss(self):
         make_model = lambda m: HandDataParallel(m, shift_output_on_rank=0)
@@ -266,7 +292,7 @@ class TestCheckTrainParity(FSDPTestMultiThread):
             "step 0 losses: .*\n.*loss of microbatch 0 on rank 0" if self.rank == 0 else r"\[0\]"
         )
         with self.assertRaisesRegex(AssertionError, expected):
-            self._check(make_model=make_model)
+            _train(self, make_model=make_model)
 
     def test_catches_unsynchronized_initial_params(self):
         def perturb_on_rank_1(model: nn.Module) -> nn.Module:
@@ -276,18 +302,18 @@ class TestCheckTrainParity(FSDPTestMultiThread):
             return HandDataParallel(model)
 
         with self.assertRaisesRegex(AssertionError, "before training"):
-            self._check(make_model=perturb_on_rank_1)
+            _train(self, make_model=perturb_on_rank_1)
 
     def test_dtensor_params_match_ddp(self):
         mesh = init_device_mesh("cpu", (self.world_size,))
-        self._check(make_model=lambda m: HandShardedMLP(m, mesh), prefix="mlp.")
+        _train(self, make_model=lambda m: HandShardedMLP(m, mesh), prefix="mlp.")
 
     def test_catches_a_dtensor_grad_shard_scaled_on_one_rank(self):
         mesh = init_device_mesh("cpu", (self.world_size,))
         make_model = lambda m: HandShardedMLP(m, mesh, scale_grad_on_rank=0)
         expected = "rank 0: max abs diff" if self.rank == 0 else r"failed on rank\(s\) \[0\]"
         with self.assertRaisesRegex(AssertionError, expected):
-            self._check(make_model=make_model, prefix="mlp.")
+            _train(self, make_model=make_model, prefix="mlp.")
 
 
 class TestVacuousCheckWarns(FSDPTestMultiThread):

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from reffsdp import fully_shard
 from reffsdp.core import comms
+from reffsdp.testing.build import shard_bottom_up
 from reffsdp.testing.models import MLPStack, init_deterministic
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_train_parity
@@ -110,10 +110,7 @@ class TestPlantedBugs(FSDPTestMultiThread):
         model = MLPStack(DIM)
         init_deterministic(model)
         ref_model = copy.deepcopy(model)
-        mesh = init_device_mesh("cpu", (self.world_size,))
-        for block in model:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_bottom_up(model, model, mesh=init_device_mesh("cpu", (self.world_size,)))
         if patch is None:
             check_train_parity(self, ref_model, model, _inputs, num_steps=2)
             return

@@ -1,0 +1,52 @@
+"""Build the two sides of a ``fully_shard`` test: a reference copy and the sharded model.
+
+The usual shape of a test::
+
+    ref_model, model = reference_and_model(MLPStack(8))  # same weights on every rank
+    shard_bottom_up(model, model, reshard_after_forward=False)  # each block, then the root
+    check_train_parity(self, ref_model, model, random_inputs(2, 8))
+
+The reference is copied *before* sharding, since ``fully_shard`` changes the module in place.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+from torch import nn
+
+from reffsdp import FSDPModule, fully_shard
+
+from .parity import broadcast_params_from_rank0
+
+_Module = TypeVar("_Module", bound=nn.Module)
+
+
+def reference_and_model(model: _Module) -> tuple[_Module, _Module]:
+    """``(reference, model)``: ``model`` with rank 0's weights on every rank, and a copy.
+
+    Threaded ranks share one RNG, so "the same" model built on each rank differs until rank
+    0's parameters and buffers are broadcast. Every rank of the default group must call this
+    together.
+    """
+    broadcast_params_from_rank0(model)
+    return copy.deepcopy(model), model
+
+
+def shard_bottom_up(model: _Module, blocks: Iterable[nn.Module], **fsdp_kwargs: Any) -> _Module:
+    """``fully_shard`` each of ``blocks``, then ``model`` (which takes the parameters left).
+
+    Every call gets the same ``fsdp_kwargs`` (``mesh=``, ``reshard_after_forward=``, ...).
+    Returns ``model``, now an :class:`~reffsdp.FSDPModule`.
+    """
+    for block in blocks:
+        fully_shard(block, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    return model
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    """Every module of ``model`` (itself included) that ``fully_shard`` was applied to."""
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]

@@ -1,0 +1,201 @@
+"""``fully_shard`` matches torch's on the threaded process group: grouped-call collective
+counts and gradients, and parameters replaced between ``fully_shard`` and the first forward.
+
+Each check runs torch's own ``fully_shard`` on a copy of the same model, counted the same way
+(:class:`~reffsdp.testing.comm_counter.CommCounter` sees both: the threaded group reports
+every collective, whoever issued it).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from reffsdp import fully_shard
+from reffsdp.core.comms import Collective
+from reffsdp.testing.comm_counter import CommCounter
+from reffsdp.testing.multithread import FSDPTestMultiThread
+
+pytestmark = pytest.mark.multithread
+
+AG, RS = Collective.ALL_GATHER, Collective.REDUCE_SCATTER
+DIM = 6
+
+
+class GroupedInTheMiddle(nn.Module):
+    """``proj -> a -> mid -> b -> head``, where ``a`` and ``b`` are sharded by one call.
+
+    The root owns ``proj``, ``mid`` and ``head``, so an iteration has two groups: the
+    root's and ``[a, b]``'s.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.a = nn.Linear(DIM, DIM)
+        self.mid = nn.Linear(DIM, DIM)
+        self.b = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.a(self.proj(x)))
+        return self.head(self.b(torch.relu(self.mid(x))))
+
+
+class TiedEnds(nn.Module):
+    """An embedding and an output layer sharing one weight, as in a language model.
+
+    ``fully_shard([emb, out])`` opens the group at ``emb``, whose integer inputs need no
+    gradient, so the group's reduce-scatter waits for the end of backward (as in torch).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, DIM)
+        self.block = nn.Linear(DIM, DIM)
+        self.out = nn.Linear(DIM, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.block(self.emb(tokens))))
+
+
+def _shard_grouped(shard: Callable, model: nn.Module, mesh, reshard_after_forward):
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if isinstance(model, TiedEnds):
+        shard(model.block, **kwargs)
+        shard([model.emb, model.out], **kwargs)
+    else:
+        shard([model.a, model.b], **kwargs)
+    shard(model, **kwargs)
+
+
+def _inputs(model: nn.Module, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    if isinstance(model, TiedEnds):
+        return torch.randint(0, 10, (3,), generator=generator)
+    return torch.randn(3, DIM, generator=generator)
+
+
+def _counts_per_step(model: nn.Module, rank: int, num_steps: int = 2) -> list[tuple[dict, dict]]:
+    """``(forward counts, backward counts)`` of each training step."""
+    counts = []
+    for step in range(num_steps):
+        x = _inputs(model, 10 * step + rank)
+        with CommCounter() as forward:
+            loss = model(x).sum()
+        with CommCounter() as backward:
+            loss.backward()
+        counts.append((dict(forward.get_comm_counts()), dict(backward.get_comm_counts())))
+    return counts
+
+
+class TestGroupedFullyShardLikeTorch(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _models(self, model_cls: type[nn.Module]) -> tuple[nn.Module, nn.Module]:
+        model = model_cls()
+        self.sync_module_states(model)
+        return model, copy.deepcopy(model)
+
+    def test_one_all_gather_and_reduce_scatter_per_group_in_backward(self):
+        self.run_subtests(
+            {
+                "model_cls": [GroupedInTheMiddle, TiedEnds],
+                "reshard_after_forward": [True, False, None],
+            },
+            self._check_grouped_counts,
+        )
+
+    def _check_grouped_counts(self, model_cls, reshard_after_forward):
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        model, ref_model = self._models(model_cls)
+        _shard_grouped(fully_shard, model, mesh, reshard_after_forward)
+        _shard_grouped(torch_fully_shard, ref_model, mesh, reshard_after_forward)
+        # Two groups with parameters. Backward re-gathers those resharded after forward:
+        # both for True, none for False, for None all but the root's own parameters.
+        backward_ag = {True: 2, False: 0, None: 1}[reshard_after_forward]
+        if model_cls is TiedEnds and reshard_after_forward is None:
+            backward_ag = 2  # the root has no parameters of its own
+        expected = {AG: backward_ag, RS: 2} if backward_ag else {RS: 2}
+        ref_counts = _counts_per_step(ref_model, self.rank)
+        self.assertEqual(ref_counts, [({AG: 2}, expected)] * 2)  # torch, as measured
+        self.assertEqual(_counts_per_step(model, self.rank), ref_counts)
+
+    def test_gradients_match_torch(self):
+        self.run_subtests(
+            {
+                "model_cls": [GroupedInTheMiddle, TiedEnds],
+                "reshard_after_forward": [True, False],
+            },
+            self._check_grouped_grads,
+        )
+
+    def _check_grouped_grads(self, model_cls, reshard_after_forward):
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        model, ref_model = self._models(model_cls)
+        _shard_grouped(fully_shard, model, mesh, reshard_after_forward)
+        _shard_grouped(torch_fully_shard, ref_model, mesh, reshard_after_forward)
+        for step in range(2):
+            x = _inputs(model, step + 10 * self.rank)
+            model(x).sum().backward()
+            ref_model(x).sum().backward()
+        for (name, param), ref_param in zip(model.named_parameters(), ref_model.parameters()):
+            self.assertIsInstance(param.grad, DTensor)
+            torch.testing.assert_close(param.grad.to_local(), ref_param.grad.to_local(), msg=name)
+
+
+class TestReplacedParamsLikeTorch(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_plain_replacement_is_sharded_at_lazy_init(self):
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        model = nn.Sequential(nn.Linear(DIM, 5), nn.ReLU(), nn.Linear(5, DIM))
+        self.sync_module_states(model)
+        ref = copy.deepcopy(model)
+        fully_shard(model, mesh=mesh)
+        new_weight = torch.arange(5.0 * DIM).view(5, DIM) / 10  # the same on every rank
+        model[0].weight = nn.Parameter(new_weight.clone())
+        ref[0].weight = nn.Parameter(new_weight.clone())
+        x = torch.randn(3, DIM, generator=torch.Generator().manual_seed(self.rank))
+        out = model(x)
+        torch.testing.assert_close(out, ref(x))
+        out.sum().backward()
+        model.reshard()  # the root keeps its parameters unsharded after forward
+        weight = model[0].weight
+        self.assertIsInstance(weight, DTensor)
+        self.assertEqual(weight.placements, (Shard(0),))
+        rows = new_weight.chunk(self.world_size)[self.rank]  # 3 rows, then 2
+        torch.testing.assert_close(weight.to_local(), rows)
+        torch.testing.assert_close(weight.full_tensor(), new_weight)
+        self.assertIsInstance(weight.grad, DTensor)
+        self.assertEqual(weight.grad.to_local().shape, rows.shape)
+
+    def test_dtensor_replacement_matches_torch(self):
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        model = nn.Sequential(nn.Linear(DIM, 5), nn.ReLU(), nn.Linear(5, DIM))
+        self.sync_module_states(model)
+        ref = copy.deepcopy(model)
+        fully_shard(model, mesh=mesh)
+        torch_fully_shard(ref, mesh=mesh)
+        new_weight = torch.arange(5.0 * DIM).view(5, DIM) / 10
+        for module in (model, ref):
+            module[0].weight = nn.Parameter(distribute_tensor(new_weight, mesh, [Shard(0)]))
+        x = torch.randn(3, DIM, generator=torch.Generator().manual_seed(self.rank))
+        out, ref_out = model(x), ref(x)
+        torch.testing.assert_close(out, ref_out)
+        out.sum().backward()
+        ref_out.sum().backward()
+        for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(param.grad.to_local(), ref_param.grad.to_local(), msg=name)
