@@ -192,9 +192,10 @@ def flat_layout(
 ) -> FlatLayout:
     """Lay out parameters of ``shapes`` in one flat buffer sharded over ``world_size`` ranks.
 
-    ``align_itemsize`` is the element size in bytes of the dtype the views are used in, to
-    start every parameter on a 16-byte boundary and pad the total to a multiple of
-    ``world_size``; ``None`` lays them out back to back (see [Note: flat layout]).
+    ``align_itemsize`` is the element size in bytes of the dtype forward and backward run
+    in (``MixedPrecision.param_dtype`` when set, else the parameters' dtype), to start every
+    parameter on a 16-byte boundary and pad the total to a multiple of ``world_size``;
+    ``None`` lays them out back to back (see [Note: flat layout]).
 
     ``Linear(5, 3)`` (18 numel) on 2 ranks: 9 each, rank 0 holding the first 9 weight
     elements, rank 1 the last 6 and the bias:

@@ -255,11 +255,9 @@ def test_batch_norm_runs_in_fp32_like_torch():
 # -- the callable policies themselves ------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy_name", sorted(POLICIES))
+@pytest.mark.parametrize("policy_name", sorted(set(POLICIES) - {"custom"}))  # callable ones
 def test_callable_policy_answers_like_torch(policy_name):
     theirs, ours = POLICIES[policy_name](torch_wrap), POLICIES[policy_name](ref_wrap)
-    if not callable(ours):
-        pytest.skip("a policy object without a callable form")
     for module in Zoo().modules():
         for recurse in (True, False):
             for numel in (0, 1, 99, 100, 10**8):
