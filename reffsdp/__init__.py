@@ -2,6 +2,27 @@
 
 Import-compatible with ``torch.distributed.fsdp``: swap ``from torch.distributed.fsdp
 import X`` for ``from reffsdp import X``.
+
+[Note: process-wide state]
+Almost all state lives on modules, parameters and the per-root contexts. Five things are
+module globals, each safe when every rank is a thread of one process (the threaded test
+harness):
+
+* ``per_param/sharded_param.py`` ``_uids``: a counter whose numbers are stamped on original
+  parameters (``_reffsdp_original_uid``) so two ``fully_shard`` calls can tell a shared
+  parameter from a new one that reuses a freed ``id``. The stamp lives as long as the
+  parameter; ``next()`` on the counter is atomic, so ranks never get the same number.
+* ``core/comms.py`` ``_interceptors``: collectives tests route elsewhere, keyed by
+  (collective, global rank), added and removed by ``intercept()`` under a lock. Each rank
+  sees only its own entries; empty outside such a test.
+* ``core/comms.py`` ``_separate_groups``: the second process group made once per group for
+  reduce-scatters, weakly keyed, so it lives as long as the original group. Each rank's
+  group is its own object, so ranks never share an entry.
+* ``per_param/fully_shard.py`` ``_fsdp_classes``: the ``FSDP<Module>`` class made for each
+  module class, kept for the process. Two ranks racing to make one class at worst make two
+  equivalent classes, both subclasses of ``FSDPModule`` and the module class.
+* ``wrap.py`` ``_wrap_context``: the ``enable_wrap`` settings, a context variable and so
+  per thread.
 """
 
 from .api import (
@@ -32,7 +53,7 @@ from .per_param import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
-from .wrapper import FlatParameter
+from .wrapper import FlatParameter as FlatParameter
 
 # FlatParameter is importable from here as from torch's package, but not in __all__ (nor
 # is it in torch's).

@@ -489,7 +489,7 @@ class FSDPTest(DistributedTestMixin, unittest.TestCase):
         __tracebackhide__ = True
         if self.world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {self.world_size}")
-        device_type = device_type_under_test()
+        device_type = self.device_type
         if device_type == "cuda" and torch.cuda.device_count() < self.world_size:
             self.skipTest(
                 f"needs {self.world_size} CUDA devices (one per rank), "

@@ -4,9 +4,9 @@
 A :class:`~reffsdp.core.param_group.ParamGroup` all-gathers, reshards and reduces a list of
 members and knows nothing else about them. Two kinds of member exist:
 
-* one parameter, sharded on its own (the per-parameter API): its shard is a DTensor, its
+* one parameter, sharded on its own: its shard is a DTensor, its
   unsharded form a plain tensor that views the all-gather output;
-* a flat parameter (the wrapper API): many parameters laid end to end in one padded 1-D
+* a flat parameter: many parameters laid end to end in one padded 1-D
   buffer, sharded as a whole, with the originals as views into it.
 
 Sizes a member reports are element counts in the member's compute dtype:

@@ -3,20 +3,18 @@
 * FSDP (1D mesh): one dim, the shard dim. All-gather and reduce-scatter run over it.
 * HSDP (2D mesh): dim 0 replicates, dim 1 shards. All-gather and reduce-scatter run over
   the shard dim's group, then gradients are all-reduced over the replicate dim's group.
-* SPMD mesh (``dp_mesh_dims``): the data-parallel dims are named dims of the mesh the
-  parameters already live on (next to TP, CP, ... dims); see [Note: SPMD meshes].
+* SPMD mesh: the data-parallel dims are some of the dims of the mesh the parameters
+  already live on (``spmd`` says which).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 
 @dataclass
@@ -26,8 +24,9 @@ class MeshInfo:
     mesh: DeviceMesh
     shard_mesh_dim: int | None
     replicate_mesh_dim: int | None = None
-    # Set for ``dp_mesh_dims``: the parameters' own mesh and where its DP dims are.
-    spmd: SpmdDims | None = None
+    # When the parameters already live on a larger mesh (data-parallel dims next to TP, CP,
+    # ... dims): the front end's record of that mesh. The core carries it and never reads it.
+    spmd: Any = None
     shard_group: dist.ProcessGroup | None = field(init=False, default=None)
     shard_size: int = field(init=False, default=1)
     shard_rank: int = field(init=False, default=0)
@@ -63,273 +62,3 @@ class MeshInfo:
         if self.is_hsdp:
             return (Replicate(), shard)
         return (shard,)
-
-
-def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
-    """Interpret a user's mesh: 1D means FSDP, 2D means HSDP ``(replicate, shard)``."""
-    if mesh.ndim == 1:
-        return MeshInfo(mesh, shard_mesh_dim=0)
-    if mesh.ndim == 2:
-        if mesh.mesh_dim_names is None:
-            raise AssertionError(
-                "a 2D mesh for HSDP needs mesh_dim_names, e.g. "
-                "init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
-            )
-        return MeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
-    raise ValueError(
-        f"fully_shard expects a 1D or 2D DeviceMesh (FSDP or HSDP), got a {mesh.ndim}D mesh of "
-        f"shape {tuple(mesh.shape)}; for more dims, name the data-parallel ones with "
-        "dp_mesh_dims"
-    )
-
-
-def device_for(mesh: DeviceMesh) -> torch.device:
-    """The compute device on this rank for ``mesh``: CPU, or the current accelerator."""
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    module = getattr(torch, mesh.device_type)
-    return torch.device(mesh.device_type, module.current_device())
-
-
-def default_mesh() -> DeviceMesh:
-    """A 1D mesh over the default process group, initializing it if needed."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_initialized():
-        dist.init_process_group()
-    accelerator = torch.accelerator.current_accelerator()
-    backend = dist.get_backend()
-    device_type = "cpu"
-    if accelerator is not None and torch.accelerator.is_available() and backend != "gloo":
-        device_type = accelerator.type
-    return init_device_mesh(device_type, (dist.get_world_size(),))
-
-
-@dataclass(frozen=True)
-class TensorParallelSpec:
-    """How a parameter was distributed before FSDP saw it (tensor or expert parallel).
-
-    FSDP then shards the *local* tensor-parallel shard over the data-parallel mesh; the
-    unsharded parameter it computes with is again a DTensor with exactly this spec.
-    """
-
-    mesh: DeviceMesh
-    placements: tuple[Placement, ...]
-
-
-def sharded_spec(
-    mesh_info: MeshInfo, shard_dim: int, tp: TensorParallelSpec | None
-) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-    """Mesh and placements of a sharded parameter: data-parallel dims, then TP dims (on an
-    SPMD mesh, the parameter's own mesh and dims; see [Note: SPMD meshes]).
-
-    [Note: strided sharding]
-    When tensor parallelism already shards dim ``d`` and FSDP shards the local TP shard on
-    ``d`` again, the DP placement comes first in the placements but is applied second. A
-    plain ``Shard(d)`` would describe the opposite order, so the DP placement becomes
-    ``_StridedShard(d, split_factor=<TP shards on d>)``. With dp = tp = 2 and 8 rows:
-    TP rank t holds rows ``4t .. 4t+3``; DP rank p holds rows ``4t + 2p, 4t + 2p + 1`` of
-    those, which is what ``(_StridedShard(0, split_factor=2), Shard(0))`` means.
-    """
-    if mesh_info.spmd is not None:
-        assert tp is not None, "SpmdDims.check_param admits only DTensor parameters"
-        return mesh_info.spmd.mesh, mesh_info.spmd.sharded_placements(shard_dim, tp.placements)
-    if tp is None:
-        return mesh_info.mesh, mesh_info.placements(Shard(shard_dim))
-    if tp.mesh.device_type != mesh_info.device_type:
-        raise ValueError(
-            f"parameter DTensor lives on a {tp.mesh.device_type} mesh but fully_shard's mesh "
-            f"is {mesh_info.device_type}"
-        )
-    if len(tp.placements) > 2:
-        raise NotImplementedError(
-            f"fully_shard supports at most 2 tensor/expert-parallel mesh dims, got {tp.placements}"
-        )
-    tp_shards = 1
-    for dim, placement in enumerate(tp.placements):
-        if isinstance(placement, Shard) and placement.dim == shard_dim:
-            tp_shards *= tp.mesh.size(dim)
-    dp_placement: Placement = Shard(shard_dim)
-    if tp_shards > 1:
-        dp_placement = _StridedShard(shard_dim, split_factor=tp_shards)
-    mesh = concatenate_meshes(mesh_info.mesh, tp.mesh)
-    return mesh, (*mesh_info.placements(dp_placement), *tp.placements)
-
-
-# -- SPMD meshes (dp_mesh_dims) ------------------------------------------------------------
-#
-# [Note: SPMD meshes]
-# With ``fully_shard(module, mesh=spmd_mesh, dp_mesh_dims=...)`` the parameters are already
-# DTensors on ``spmd_mesh`` (say ``("dp_replicate", "dp_shard", "tp")``), replicated on the
-# dims named as data parallel. This is the tensor-parallel path of ``sharded_spec`` with the
-# data-parallel groups taken from the parameters' own mesh instead of a second mesh:
-#
-# * Groups. The shard names become one shard group and the replicate names one replicate
-#   group; several names for one role are flattened into one dim (ranks in row-major order,
-#   so names must be listed in mesh order). Shard only is FSDP; replicate only keeps whole
-#   parameters (shard size 1) and all-reduces gradients, like DDP; both is HSDP.
-# * Sharded parameter. It stays on ``spmd_mesh``: each DP shard dim gets ``Shard(d)`` (or
-#   ``_StridedShard`` when non-DP dims to its right also shard ``d``, see [Note: strided
-#   sharding]), replicate dims stay ``Replicate()`` and every other dim is unchanged. The
-#   unsharded parameter is a DTensor with the original placements.
-# * Several shard dims. FSDP chunks the local tensor once, by the flattened rank; one
-#   placement per dim instead describes nested chunking (dim ``a``, then ``b`` inside it).
-#   Both agree only when the sizes divide evenly: 5 rows on a 2 x 2 shard mesh are chunked
-#   2, 2, 1, 0 flat but 2, 1, 1, 1 nested. Uneven cases raise ``NotImplementedError`` rather
-#   than produce wrong metadata.
-# * Gradients. The unsharded gradient is redistributed to the parameter's placements on
-#   non-DP dims only. A ``Partial`` on a DP dim (e.g. from a batch-sharded DTensor input) is
-#   left as is: its local tensor is exactly what FSDP's reduce-scatter / all-reduce reduce,
-#   with FSDP's usual divide factor.
-
-
-@dataclass(frozen=True)
-class SpmdDims:
-    """The data-parallel dims of a full SPMD mesh, as indices in mesh order."""
-
-    mesh: DeviceMesh
-    shard_dims: tuple[int, ...]
-    replicate_dims: tuple[int, ...]
-
-    @property
-    def dp_dims(self) -> frozenset[int]:
-        return frozenset(self.shard_dims + self.replicate_dims)
-
-    def check_param(self, param: torch.Tensor, shard_dim: int, name: str) -> None:
-        """Refuse a parameter FSDP cannot shard on this mesh (see [Note: SPMD meshes])."""
-        if not isinstance(param, DTensor):
-            raise ValueError(
-                f"with dp_mesh_dims every parameter must be a DTensor on the mesh passed to "
-                f"fully_shard, but {name} is a plain tensor; distribute it first (e.g. "
-                "distribute_tensor(param, mesh, [Replicate(), ...]))"
-            )
-        if param.device_mesh != self.mesh:
-            raise ValueError(
-                f"{name} is a DTensor on {param.device_mesh}, not on the mesh passed to "
-                f"fully_shard with dp_mesh_dims ({self.mesh})"
-            )
-        names = self.mesh.mesh_dim_names
-        assert names is not None
-        for dim in sorted(self.dp_dims):
-            if not isinstance(param.placements[dim], Replicate):
-                raise ValueError(
-                    f"{name} must be Replicate() on data-parallel mesh dim {names[dim]!r}, "
-                    f"got {param.placements[dim]}"
-                )
-        if len(self.shard_dims) > 1:
-            pieces = self._non_dp_shards(param.placements, shard_dim, after=-1)
-            pieces *= math.prod(self.mesh.size(dim) for dim in self.shard_dims)
-            if param.size(shard_dim) % pieces != 0:
-                raise NotImplementedError(
-                    f"{name}: sharding over several mesh dims "
-                    f"{tuple(names[d] for d in self.shard_dims)} needs tensor dim {shard_dim} "
-                    f"(size {param.size(shard_dim)}) to split evenly into {pieces} pieces "
-                    "(see [Note: SPMD meshes] in reffsdp/core/mesh.py)"
-                )
-
-    def sharded_placements(
-        self, shard_dim: int, placements: tuple[Placement, ...]
-    ) -> tuple[Placement, ...]:
-        """The unsharded ``placements`` with FSDP's sharding of ``shard_dim`` on the shard dims.
-
-        With mesh ``(dp_shard, tp)``, a colwise weight ``(Replicate(), Shard(0))`` becomes
-        ``(_StridedShard(0, split_factor=2), Shard(0))`` for tp = 2; a rowwise weight
-        ``(Replicate(), Shard(1))`` becomes ``(Shard(0), Shard(1))``.
-        """
-        result = list(placements)
-        for dim in self.shard_dims:
-            split = self._non_dp_shards(placements, shard_dim, after=dim)
-            result[dim] = (
-                _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
-            )
-        return tuple(result)
-
-    def grad_placements(
-        self, grad: tuple[Placement, ...], param: tuple[Placement, ...]
-    ) -> tuple[Placement, ...]:
-        """Where to redistribute an unsharded gradient: the parameter's placements, except
-        that DP dims keep a ``Partial`` for FSDP to reduce (see [Note: SPMD meshes])."""
-        return tuple(
-            grad[dim] if dim in self.dp_dims and isinstance(grad[dim], Partial) else placement
-            for dim, placement in enumerate(param)
-        )
-
-    def _non_dp_shards(self, placements: tuple[Placement, ...], tensor_dim: int, after: int):
-        """Pieces that non-DP mesh dims after mesh dim ``after`` cut ``tensor_dim`` into."""
-        pieces = 1
-        for dim in range(after + 1, self.mesh.ndim):
-            placement = placements[dim]
-            if dim in self.dp_dims or not isinstance(placement, (Shard, _StridedShard)):
-                continue
-            if placement.dim == tensor_dim:
-                pieces *= self.mesh.size(dim)
-        return pieces
-
-
-def spmd_mesh_info(
-    mesh: DeviceMesh, shard_names: tuple[str, ...], replicate_names: tuple[str, ...]
-) -> MeshInfo:
-    """Interpret ``dp_mesh_dims`` on a full SPMD mesh (see [Note: SPMD meshes])."""
-    if not shard_names and not replicate_names:
-        raise ValueError("dp_mesh_dims needs at least one shard or replicate dim name")
-    if mesh.mesh_dim_names is None:
-        raise ValueError(
-            "dp_mesh_dims names mesh dims, but the mesh has no dim names; create it with "
-            "init_device_mesh(..., mesh_dim_names=...)"
-        )
-    both = set(shard_names) & set(replicate_names)
-    if both:
-        raise ValueError(f"mesh dims {sorted(both)} cannot both shard and replicate")
-    spmd = SpmdDims(
-        mesh,
-        _dim_indices(mesh, shard_names, "shard"),
-        _dim_indices(mesh, replicate_names, "replicate"),
-    )
-    if not shard_names:
-        return MeshInfo(flatten_dims(mesh, replicate_names), None, 0, spmd=spmd)
-    shard_mesh = flatten_dims(mesh, shard_names)
-    if not replicate_names:
-        return MeshInfo(shard_mesh, 0, spmd=spmd)
-    # One (replicate, shard) mesh, as a user's HSDP mesh; both slice the same root mesh.
-    hsdp_mesh = concatenate_meshes(flatten_dims(mesh, replicate_names), shard_mesh)
-    return MeshInfo(hsdp_mesh, 1, 0, spmd=spmd)
-
-
-def _dim_indices(mesh: DeviceMesh, names: tuple[str, ...], role: str) -> tuple[int, ...]:
-    mesh_names = mesh.mesh_dim_names
-    assert mesh_names is not None
-    unknown = [name for name in names if name not in mesh_names]
-    if unknown:
-        raise ValueError(
-            f"dp_mesh_dims {role} names {unknown} are not dims of the mesh {mesh_names}"
-        )
-    dims = tuple(mesh_names.index(name) for name in names)
-    if list(dims) != sorted(set(dims)):
-        raise ValueError(
-            f"dp_mesh_dims {role} names {names} must be distinct and in mesh order {mesh_names}"
-        )
-    return dims
-
-
-def flatten_dims(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
-    """A 1D mesh over the named dims of ``mesh``, ranks in row-major order."""
-    if len(names) == 1:
-        return mesh[names[0]]
-    # DeviceMesh has no public flatten yet. ``_flatten`` builds (once, then caches by name)
-    # the 1D mesh and its process group over exactly these ranks.
-    return mesh[names]._flatten("_".join(names))
-
-
-def concatenate_meshes(first: DeviceMesh, second: DeviceMesh) -> DeviceMesh:
-    """One mesh whose dims are ``first``'s then ``second``'s (both slices of one root mesh).
-
-    DeviceMesh has no public way to join slices yet: newer torch has ``_concatenate``;
-    older torch can slice the shared root mesh by the dims' names.
-    """
-    concatenate = getattr(DeviceMesh, "_concatenate", None)
-    if concatenate is not None:
-        return concatenate([first, second])
-    from torch.distributed.device_mesh import _mesh_resources
-
-    root = _mesh_resources.get_root_mesh(first)
-    return root[(*first.mesh_dim_names, *second.mesh_dim_names)]

@@ -152,11 +152,17 @@ def pre_post_divide_factors(factor: float) -> tuple[float, float]:
     """Split a gradient divide factor into a divide before and after a summing reduction.
 
     Dividing everything before the sum can underflow; dividing everything after can
-    overflow (in fp16). We divide by ``pre`` first and ``post = factor / pre`` after, where
-    ``pre`` is the largest power of two with ``pre <= post`` dividing ``factor`` evenly.
+    overflow (in fp16). So ``pre`` starts at 1 and doubles while it still divides
+    ``factor`` and is smaller than ``factor / pre``; ``post = factor / pre``. For a power of
+    two ``pre`` ends near the square root (``pre >= post``). Doubling stops at the first
+    power of two past a factor of ``factor``, so for other factors ``pre`` need not divide
+    ``factor``: 3 splits into 2 and 1.5, 6 into 4 and 1.5. Torch's FSDP splits the same way,
+    so reduced gradients agree bit for bit.
 
-    >>> [pre_post_divide_factors(f) for f in (2, 4, 8, 16)]
-    [(2.0, 1.0), (2.0, 2.0), (4.0, 2.0), (4.0, 4.0)]
+    >>> [pre_post_divide_factors(f) for f in (1, 2, 4, 8, 16)]
+    [(1.0, 1.0), (2.0, 1.0), (2.0, 2.0), (4.0, 2.0), (4.0, 4.0)]
+    >>> [pre_post_divide_factors(f) for f in (3, 6, 12)]
+    [(2.0, 1.5), (4.0, 1.5), (4.0, 3.0)]
     """
     pre = 1
     while factor % pre == 0 and factor / pre > pre:

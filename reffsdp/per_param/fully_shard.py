@@ -16,11 +16,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from ..core.mesh import MeshInfo, default_mesh, device_for, mesh_info_for, spmd_mesh_info
+from ..core.mesh import MeshInfo
 from ..core.param_group import GroupSettings, ParamGroup
-from ..core.sharded_param import ShardedParam, unique_params
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .mesh import default_mesh, device_for, mesh_info_for, spmd_mesh_info
 from .module import FSDPModule
+from .sharded_param import ShardedParam, unique_params
 from .state import FSDPState, state_of
 
 _fsdp_classes: dict[type, type] = {}
@@ -89,6 +90,8 @@ def fully_shard(
     FSDPState(modules, group, device, mp_policy, auto_reshard_root=reshard_after_forward is None)
     for m in modules:
         _swap_class(m)
+    # Read by torch's tools, not by reffsdp: torch.compile (``torch._dynamo``) treats the
+    # parameters of modules marked this way as changing between calls, as FSDP's do.
     for m in managed:
         m._is_fsdp_managed_module = True  # type: ignore[attr-defined]
         m._fsdp_use_orig_params = True  # type: ignore[attr-defined]
@@ -240,8 +243,8 @@ def _shard_params(
     triples = [
         (m, name, p)
         for m in managed
-        for name, p in m._parameters.items()
-        if p is not None and id(p) not in ignored
+        for name, p in m.named_parameters(recurse=False, remove_duplicate=False)
+        if id(p) not in ignored
     ]
     paths = _module_paths(roots)
     sharded = []
@@ -303,9 +306,9 @@ def _shard_dim(shard_placement_fn, param: nn.Parameter, name: str, owner: str) -
 
 def _move_buffers(managed: list[nn.Module], device: torch.device) -> None:
     for m in managed:
-        for name, buffer in m._buffers.items():
-            if buffer is not None and buffer.device.type != "meta" and buffer.device != device:
-                m._buffers[name] = buffer.to(device)
+        for name, buffer in m.named_buffers(recurse=False, remove_duplicate=False):
+            if buffer.device.type != "meta" and buffer.device != device:
+                setattr(m, name, buffer.to(device))  # stays a buffer, persistent or not
 
 
 def _swap_class(module: nn.Module) -> None:

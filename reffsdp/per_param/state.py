@@ -268,7 +268,7 @@ class FSDPState:
 
     def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
         # load_state_dict(assign=True) registers new DTensors: adopt them and re-pad (see
-        # [Note: replaced parameters] in reffsdp/core/sharded_param.py).
+        # [Note: replaced parameters] in reffsdp/per_param/sharded_param.py).
         if self.group is not None:
             for param in self.group.members:
                 param.reset_sharded_param()

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from reffsdp.core.collectives import plan_reduction
-from reffsdp.core.mesh import mesh_info_for
+from reffsdp.per_param.mesh import mesh_info_for
 from reffsdp.testing.fake_pg import fake_process_group
 
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG

@@ -1,4 +1,4 @@
-"""The flat parameter's layout math (``reffsdp.core.flat_layout``), in one process.
+"""The flat parameter's layout math (``reffsdp.wrapper.flat_layout``), in one process.
 
 Two references: a brute-force one built from real tensors (``torch.cat`` of labelled
 elements, ``torch.chunk``, boolean masks), run over many shapes, world sizes 1-8 and every
@@ -16,13 +16,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from reffsdp.core.flat_layout import (
+from reffsdp.testing.fake_pg import fake_process_group
+from reffsdp.wrapper.flat_layout import (
     FlatLayout,
     ParamShardInfo,
     alignment_numel,
     flat_layout,
 )
-from reffsdp.testing.fake_pg import fake_process_group
 
 PAD = -1  # owner label of alignment / world-size padding
 SHARD_PAD = -2  # owner label of the zeros a rank appends to its chunk

@@ -304,7 +304,7 @@ def test_importing_reffsdp_loads_no_torch_fsdp_and_warns_nothing():
 
 def test_original_parameter_identity_is_a_stamped_uid_not_id():
     # ``id()`` of a replaced parameter can be reused by a later one; the uid cannot.
-    from reffsdp.core.sharded_param import _original_uid
+    from reffsdp.per_param.sharded_param import _original_uid
 
     first = torch.nn.Parameter(torch.zeros(2))
     uid = _original_uid(first)

@@ -35,8 +35,9 @@ from torch.distributed.tensor import DTensor
 # ``ShardedParam._to_dtensor``).
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .mesh import MeshInfo, TensorParallelSpec, sharded_spec
-from .sharding import ShardLayout, contiguous_strides, shard_tensor, unshard_from_gathered
+from ..core.mesh import MeshInfo
+from ..core.sharding import ShardLayout, contiguous_strides, shard_tensor, unshard_from_gathered
+from .mesh import TensorParallelSpec, sharded_spec
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,8 @@ class ShardedParam:
 
     def _adopt_replacement(self) -> None:
         """Take over a parameter registered in place of ours (see [Note: replaced parameters])."""
+        # ``_parameters``, not getattr: only a registered parameter counts, not a plain
+        # attribute or property of the same name.
         registered = [ref.module._parameters.get(ref.name) for ref in self.refs]
         if all(p is self.sharded_param for p in registered):
             return
@@ -258,7 +261,7 @@ class ShardedParam:
     def check_registered(self) -> None:
         """Refuse a parameter replaced after lazy init (see [Note: replaced parameters])."""
         for ref in self.refs:
-            current = ref.module._parameters.get(ref.name)
+            current = ref.module._parameters.get(ref.name)  # see _adopt_replacement
             if current is None or (
                 current is not self.sharded_param and current is not self.unsharded_param
             ):
@@ -493,7 +496,8 @@ class ShardedParam:
         local_grad = local_grad.to(self.orig_dtype)
         param = self.sharded_param
         # Reduced gradients bypass AccumulateGrad, so we run the hooks it would have run
-        # (e.g. an optimizer stepping inside backward).
+        # (e.g. an optimizer stepping inside backward). They live only in this private dict:
+        # torch has no public way to list a tensor's post-accumulate-grad hooks.
         hooks = list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values())
         in_flight = self.offload and self.pin_memory and param.grad is None and not hooks
         if self.offload:
