@@ -184,24 +184,18 @@ def _first_failed_rank(message: str) -> int:
 
 
 @pytest.mark.timeout(60)
-def test_raise_in_forward(harness: type[unittest.TestCase]) -> None:
-    message = _failure(harness, "test_raise_in_forward")
+@pytest.mark.parametrize(
+    "test_name, error",
+    [
+        ("test_raise_in_forward", "RuntimeError: planted failure in forward"),
+        ("test_raise_in_backward", "RuntimeError: planted failure in backward"),
+        ("test_rank_exits", "SystemExit: 3"),
+    ],
+)
+def test_rank_1_fails(harness: type[unittest.TestCase], test_name: str, error: str) -> None:
+    message = _failure(harness, test_name)
     assert _first_failed_rank(message) == 1
-    assert "RuntimeError: planted failure in forward" in message
-
-
-@pytest.mark.timeout(60)
-def test_raise_in_backward(harness: type[unittest.TestCase]) -> None:
-    message = _failure(harness, "test_raise_in_backward")
-    assert _first_failed_rank(message) == 1
-    assert "RuntimeError: planted failure in backward" in message
-
-
-@pytest.mark.timeout(60)
-def test_rank_exits(harness: type[unittest.TestCase]) -> None:
-    message = _failure(harness, "test_rank_exits")
-    assert _first_failed_rank(message) == 1
-    assert "SystemExit: 3" in message
+    assert error in message
 
 
 @pytest.mark.timeout(60)

@@ -31,16 +31,18 @@ from reffsdp import (
     fully_shard,
 )
 from reffsdp.testing.fake_pg import fake_process_group
-from reffsdp.testing.models import MLP
 
-WORLD_SIZE = 4
+from .conftest import Net
 
 
-@pytest.fixture
-def mesh():
-    """One rank (rank 1) of a fake 4-rank world: collectives move no data."""
-    with fake_process_group(WORLD_SIZE, rank=1):
-        yield init_device_mesh("cpu", (WORLD_SIZE,))
+def raises_stating(exc: type[Exception], facts: tuple[str, ...], call) -> str:
+    """Run ``call``, expect ``exc``, check its message states each fact; return the message."""
+    with pytest.raises(exc) as info:
+        call()
+    message = str(info.value)
+    for fact in facts:
+        assert fact in message, message
+    return message
 
 
 @pytest.fixture
@@ -48,21 +50,6 @@ def mesh1():
     """A 1-rank world: shards are whole tensors, so values can be checked."""
     with fake_process_group(1, rank=0):
         yield init_device_mesh("cpu", (1,))
-
-
-class Net(nn.Module):
-    """A root with its own parameters and two blocks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(4, 4)
-        self.blocks = nn.ModuleList(MLP(4) for _ in range(2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj(x)
-        for block in self.blocks:
-            x = block(x)
-        return x
 
 
 def sharded_net(mesh, **kwargs) -> Net:
@@ -428,22 +415,22 @@ def test_meta_params_error_states_meta_device_fqns_and_fix(mesh):
     for block in net.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(net, mesh=mesh)
-    with pytest.raises(RuntimeError) as info:
-        net(torch.randn(2, 4))
-    message = str(info.value)
-    for fact in ("meta device", "proj.weight", "to_empty", "reset_parameters"):
-        assert fact in message, message
+    raises_stating(
+        RuntimeError,
+        ("meta device", "proj.weight", "to_empty", "reset_parameters"),
+        lambda: net(torch.randn(2, 4)),
+    )
 
 
 def test_uneven_sharding_error_states_dim_size_world_size_and_param(mesh):
     lin = nn.Linear(6, 8)
     with pytest.raises(NotImplementedError, match="uneven sharding on dim 1"):
         torch_fully_shard(copy.deepcopy(lin), mesh=mesh, shard_placement_fn=lambda p: Shard(-1))
-    with pytest.raises(NotImplementedError) as info:
-        fully_shard(lin, mesh=mesh, shard_placement_fn=lambda p: Shard(-1))
-    message = str(info.value)
-    for fact in ("uneven sharding on dim 1", "(8, 6)", "world size 4", "weight", "Linear"):
-        assert fact in message, message
+    message = raises_stating(
+        NotImplementedError,
+        ("uneven sharding on dim 1", "(8, 6)", "world size 4", "weight", "Linear"),
+        lambda: fully_shard(lin, mesh=mesh, shard_placement_fn=lambda p: Shard(-1)),
+    )
     assert_no_module_repr(message)
 
 
@@ -452,11 +439,11 @@ def test_non_contiguous_error_states_shape_stride_and_param(mesh):
     module.weight = nn.Parameter(torch.randn(4, 3).t())
     with pytest.raises(NotImplementedError, match="non-contiguous"):
         torch_fully_shard(copy.deepcopy(module), mesh=mesh)
-    with pytest.raises(NotImplementedError) as info:
-        fully_shard(module, mesh=mesh)
-    message = str(info.value)
-    for fact in ("non-contiguous", "(3, 4)", "(1, 3)", "weight", ".contiguous()"):
-        assert fact in message, message
+    raises_stating(
+        NotImplementedError,
+        ("non-contiguous", "(3, 4)", "(1, 3)", "weight", ".contiguous()"),
+        lambda: fully_shard(module, mesh=mesh),
+    )
 
 
 def test_scalar_param_error_names_param_and_fix(mesh):
@@ -464,11 +451,11 @@ def test_scalar_param_error_names_param_and_fix(mesh):
     model[1].scale = nn.Parameter(torch.tensor(1.0))
     with pytest.raises(ValueError, match="scalar"):
         torch_fully_shard(copy.deepcopy(model), mesh=mesh)
-    with pytest.raises(ValueError) as info:
-        fully_shard(model, mesh=mesh)
-    message = str(info.value)
-    for fact in ("scalar", "1.scale", "1D tensor", "numel 1"):
-        assert fact in message, message
+    message = raises_stating(
+        ValueError,
+        ("scalar", "1.scale", "1D tensor", "numel 1"),
+        lambda: fully_shard(model, mesh=mesh),
+    )
     assert_no_module_repr(message)
     assert "Module()" not in message and "ParamRef" not in message, message
 
@@ -479,15 +466,15 @@ def test_param_in_two_groups_states_already_managed(mesh):
     for block in net.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(net, mesh=mesh)
-    with pytest.raises(ValueError) as info:
-        net(torch.randn(2, 4))
-    message = str(info.value)
-    for fact in (
-        "already managed by another",
-        "in_proj.weight",
-        "fully_shard([module_a, module_b])",
-    ):
-        assert fact in message, message
+    message = raises_stating(
+        ValueError,
+        (
+            "already managed by another",
+            "in_proj.weight",
+            "fully_shard([module_a, module_b])",
+        ),
+        lambda: net(torch.randn(2, 4)),
+    )
     assert "'blocks.0'" in message and "'blocks.1'" in message, message
 
 
