@@ -120,3 +120,25 @@ class GroupMember(Protocol):
     def discard_grads(self) -> None:
         """Drop unsharded and kept gradients (after an error mid-iteration)."""
         ...
+
+
+def resolve_dtypes(
+    orig_dtype: torch.dtype, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """A member's ``(param_dtype, reduce_dtype)`` with the no-op casts dropped (see
+    [Note: mixed precision] in ``param_group``).
+
+    >>> resolve_dtypes(torch.float32, torch.float32, torch.float32)
+    (None, None)
+    >>> resolve_dtypes(torch.float32, torch.bfloat16, torch.float32)
+    (torch.bfloat16, torch.float32)
+    >>> resolve_dtypes(torch.float32, torch.bfloat16, torch.bfloat16)
+    (torch.bfloat16, None)
+    >>> resolve_dtypes(torch.int64, torch.bfloat16, None)
+    (None, None)
+    """
+    if param_dtype == orig_dtype or not orig_dtype.is_floating_point:
+        param_dtype = None
+    if reduce_dtype == (param_dtype or orig_dtype):
+        reduce_dtype = None
+    return param_dtype, reduce_dtype

@@ -302,3 +302,18 @@ class ParamGroup:
             member.discard_grads()
         self._partial_reduce = collectives.PartialReduce()
         self._transition(TrainingState.IDLE)
+
+
+def end_backward(groups: list[ParamGroup], comm_ctx: CommContext, *, last: bool = True) -> None:
+    """The root's final callback, for every group under it.
+
+    Each group reduces what backward used but never finished, then goes idle. After the
+    last backward of the step (``last``), wait for every reduction in flight and drop
+    prefetches nobody consumed, so the optimizer sees every gradient.
+    """
+    for group in groups:
+        group.end_backward()
+    if last:
+        comm_ctx.complete_reduces()
+        for group in groups:
+            group.finalize_backward()

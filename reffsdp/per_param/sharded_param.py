@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 # ``ShardedParam._to_dtensor``).
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ..core.member import resolve_dtypes
 from ..core.mesh import MeshInfo
 from ..core.sharding import ShardLayout, contiguous_strides, shard_tensor, unshard_from_gathered
 from .mesh import TensorParallelSpec, sharded_spec
@@ -282,11 +283,9 @@ class ShardedParam:
         [Note: mixed precision] in ``param_group``): drop casts that would be no-ops."""
         self.reset_sharded_param()
         self.orig_dtype = self.padded_shard.dtype
-        if param_dtype == self.orig_dtype or not self.orig_dtype.is_floating_point:
-            param_dtype = None
-        if reduce_dtype == (param_dtype or self.orig_dtype):
-            reduce_dtype = None
-        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.param_dtype, self.reduce_dtype = resolve_dtypes(
+            self.orig_dtype, param_dtype, reduce_dtype
+        )
 
     @property
     def is_materialized(self) -> bool:

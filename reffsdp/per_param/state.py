@@ -51,7 +51,7 @@ from ..core.autograd_hooks import (
     register_post_backward,
     register_pre_backward,
 )
-from ..core.param_group import ParamGroup
+from ..core.param_group import ParamGroup, end_backward
 from ..core.runtime import CommContext
 from ..core.states import TrainingState
 from .api import MixedPrecisionPolicy
@@ -301,16 +301,13 @@ class FSDPState:
         """Runs once per backward, on the root: see [Note: hook order in one iteration]."""
         ctx = self.ctx
         try:
+            groups = [state.group for state in ctx.all_states if state.group is not None]
+            end_backward(groups, self.comm_ctx, last=ctx.is_last_backward)
             for state in ctx.all_states:
-                if state.group is not None:
-                    state.group.end_backward()
                 state.training_state = TrainingState.IDLE
-            if ctx.is_last_backward:
-                self.comm_ctx.complete_reduces()
-                for state in ctx.all_states:
+                if ctx.is_last_backward:
                     state._post_forward_indices.clear()
-                    if state.group is not None:
-                        state.group.finalize_backward()
+            if ctx.is_last_backward:
                 ctx.post_forward_order.clear()
         finally:
             ctx.final_callback_queued = False
