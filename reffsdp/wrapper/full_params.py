@@ -6,11 +6,10 @@
 group (``ParamGroup.unshard`` + ``wait_for_unshard``), outside forward and backward:
 
 1. The gather runs in the parameters' original dtype: with mixed precision the handle's
-   ``param_dtype`` is set aside for the gather, so the group allocates a full-precision
-   buffer. A group still unsharded since forward (SHARD_GRAD_OP, NO_SHARD) keeps its
-   buffers untouched for the backward to come: without mixed precision it is shown as is,
-   with mixed precision its low-precision buffers are set aside and a full-precision gather
-   fills fresh ones.
+   ``param_dtype`` and its low-precision buffers are set aside for the gather, so the group
+   allocates fresh full-precision ones; the set-aside buffers come back on exit, since a
+   pending backward's saved views alias them. A group still unsharded since forward
+   without mixed precision (SHARD_GRAD_OP, the root) is shown as is.
 2. The original parameters appear under their own names as full-size ``nn.Parameter`` s
    viewing the gathered buffer (or a CPU copy of it, ``offload_to_cpu``). With
    ``use_orig_params=True`` these are the very parameter objects the optimizer holds, their
@@ -204,6 +203,7 @@ class _FullParams:
         self.group = instance._group
         self.rank = instance._mesh_info.shard_rank
         self.set_aside: tuple[Any, Any] | None = None  # the forward's low-precision buffers
+        self.was_unsharded = False  # ... and whether they held parameters
         self.gathered_here = False
         self.flat = self._gather()  # 1-D, padded_numel, original dtype
         self.grad_flat = self._gather_grads() if with_grads else None  # same layout
@@ -219,12 +219,16 @@ class _FullParams:
         low_precision = handle.param_dtype is not None
         if group.is_unsharded and not low_precision:
             return handle.gathered  # unsharded since forward: already full precision
-        if group.is_unsharded:
+        if low_precision:
+            # Forward's views alias these buffers (freed or not): the backward regathers
+            # into them, so the full-precision gather must use buffers of its own.
+            if group.is_unsharded:
+                group.sharded_state = ShardedState.SHARDED
+                self.was_unsharded = True
+            else:
+                group.reshard()  # drops a low-precision prefetch nobody waited for
             self.set_aside = (handle.gathered, handle.unsharded)
             handle.gathered = handle.unsharded = None
-            group.sharded_state = ShardedState.SHARDED
-        elif low_precision:
-            group.reshard()  # drops a low-precision prefetch nobody waited for
         param_dtype, handle.param_dtype = handle.param_dtype, None
         try:
             self.instance._unshard_now()
@@ -264,7 +268,8 @@ class _FullParams:
             group.reshard()
         if self.set_aside is not None:
             handle.gathered, handle.unsharded = self.set_aside
-            group.sharded_state = ShardedState.UNSHARDED
+            if self.was_unsharded:
+                group.sharded_state = ShardedState.UNSHARDED
         if group.is_unsharded:
             handle.to_unsharded()
 
@@ -418,7 +423,8 @@ def clip_grad_norm(
 
 def _local_norm(params: Iterable[nn.Parameter], norm_type: float, device: torch.device):
     """The p-norm (fp32) of this rank's gradients of ``params``, as one vector."""
-    grads = [p.grad.detach() for p in params if p.grad is not None]
+    # An empty gradient (a parameter with no elements on this rank) adds nothing.
+    grads = [p.grad.detach() for p in params if p.grad is not None and p.grad.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
