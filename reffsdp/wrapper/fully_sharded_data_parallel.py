@@ -116,6 +116,8 @@ class FullyShardedDataParallel(nn.Module):
         self.cpu_offload = cpu_offload or CPUOffload()
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch
+        # torch's rate limiter (at most two all-gathers ahead of compute) holds by construction
+        # here: see rule 3 of [Note: why all-gathers get their own stream] in core/streams.
         self.limit_all_gathers = limit_all_gathers
         self.mixed_precision = mixed_precision
         self._use_orig_params = use_orig_params
