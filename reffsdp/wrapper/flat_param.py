@@ -109,6 +109,7 @@ class FlatParamHandle:
         self.unsharded: nn.Parameter | None = None
         self.unsharded_accumulated_grad: torch.Tensor | None = None
         self.post_backward_hook: Callable[[], None] | None = None
+        self.keep_low_precision_grads = False  # MixedPrecision: grads stay in param_dtype
         self.show_sharded()
 
     # -- building -----------------------------------------------------------------------
@@ -287,13 +288,14 @@ class FlatParamHandle:
     def accept_reduced_grad(self, shard: torch.Tensor) -> bool:
         # ``shard`` is the group's whole reduced row for a one-member group: viewing it keeps
         # no more memory alive than the gradient needs.
-        grad = shard.to(self.orig_dtype)
+        keep_low = self.keep_low_precision_grads and self.param_dtype is not None
+        grad = shard.to(self.param_dtype if keep_low else self.orig_dtype)
         if self.offload:
             grad = grad.to("cpu")
         if not self.use_orig_params:
             flat = self.flat_param
             if flat.grad is None:
-                flat.grad = grad
+                _assign_grad(flat, grad)
             else:
                 flat.grad.add_(grad)
             return False
@@ -303,12 +305,21 @@ class FlatParamHandle:
             piece = self._shard_piece(grad, i)
             if param.grad is not None:  # accumulate into whatever the user left there
                 piece.add_(param.grad.view(-1))
-            param.grad = piece
+            _assign_grad(param, piece.view(param.shape))
         return False
 
     def discard_grads(self) -> None:
         self._pop_unsharded_grad()
         self.unsharded_accumulated_grad = None
+
+
+def _assign_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """``param.grad = grad``, also for a low-precision gradient on a full-precision param."""
+    if grad.dtype == param.dtype:
+        param.grad = grad
+    else:  # ``.grad`` must match the param's dtype on assignment; ``.data`` need not
+        param.grad = torch.empty_like(param)
+        param.grad.data = grad
 
 
 def _check_flattenable(

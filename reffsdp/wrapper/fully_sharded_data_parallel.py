@@ -33,7 +33,7 @@ from ..core.autograd_hooks import in_backward, queue_final_callback, register_pr
 from ..core.param_group import GroupSettings, ParamGroup
 from ..core.runtime import CommContext
 from ..core.states import TrainingState
-from . import setup
+from . import full_params, setup
 from .flat_param import FlatParameter, FlatParamHandle, ParamSlot
 
 WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -116,6 +116,8 @@ class FullyShardedDataParallel(nn.Module):
         self.cpu_offload = cpu_offload or CPUOffload()
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch
+        # torch's rate limiter (at most two all-gathers ahead of compute) holds by construction
+        # here: see rule 3 of [Note: why all-gathers get their own stream] in core/streams.
         self.limit_all_gathers = limit_all_gathers
         self.mixed_precision = mixed_precision
         self._use_orig_params = use_orig_params
@@ -164,12 +166,13 @@ class FullyShardedDataParallel(nn.Module):
             fqn_prefix=f"{WRAPPED_MODULE}.",
         )
         handle.post_backward_hook = self._post_backward
+        mp = self.mixed_precision
+        handle.keep_low_precision_grads = bool(mp and mp.keep_low_precision_grads)
         module = self._fsdp_wrapped_module
         if self._use_orig_params:
             module.__dict__[FLAT_PARAM] = handle.flat_param
         else:
             module.register_parameter(FLAT_PARAM, handle.flat_param)
-        mp = self.mixed_precision
         param_dtype = mp.param_dtype if mp is not None else None
         reduce_dtype = mp.reduce_dtype if mp is not None else None
         if reduce_dtype is None:
@@ -311,6 +314,8 @@ class FullyShardedDataParallel(nn.Module):
         if self.compute_device.type != "cpu":
             move = lambda t: t.to(self.compute_device, non_blocking=True)  # noqa: E731
             args, kwargs = tree_map_only(torch.Tensor, move, (args, kwargs))
+        if not self._is_root:  # a nested instance run on its own casts as a non-root
+            return args, kwargs
         return self._cast_inputs(args, kwargs, root=True)
 
     def _cast_inputs(self, args: Any, kwargs: Any, *, root: bool) -> tuple[Any, Any]:
@@ -406,6 +411,54 @@ class FullyShardedDataParallel(nn.Module):
                     reduce_grads=settings.reduce_grads,
                     reshard_after_backward=settings.reshard_after_backward,
                 )
+
+    # -- full parameters and utilities (see [Note: summoning full parameters] in full_params)
+
+    _summoning = False  # inside summon_full_params (or apply) for this instance
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        """Show full, unsharded original parameters of every instance in ``module``'s tree
+        (only ``module`` itself with ``recurse=False``) for the duration of the context.
+
+        ``writeback`` copies edits back to the shards on exit; ``rank0_only`` shows them on
+        rank 0 only; ``offload_to_cpu`` shows CPU copies; ``with_grads`` shows full
+        gradients too (``use_orig_params=True`` only). Call it outside forward and backward.
+        """
+        with full_params.summon_full_params(
+            module,
+            recurse=recurse,
+            writeback=writeback,
+            rank0_only=rank0_only,
+            offload_to_cpu=offload_to_cpu,
+            with_grads=with_grads,
+        ):
+            yield
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """As ``nn.Module``'s; inside ``summon_full_params`` names drop the wrapper prefix."""
+        yield from full_params.clean_names(self, super().named_parameters(*args, **kwargs))
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """As ``nn.Module``'s; inside ``summon_full_params`` names drop the wrapper prefix."""
+        yield from full_params.clean_names(self, super().named_buffers(*args, **kwargs))
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
+        """``nn.Module.apply`` with this instance's full parameters shown and written back."""
+        return full_params.apply(self, fn, super().apply)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the whole model in place (root only; every rank must call
+        it); return the total norm, as for the unsharded model."""
+        return full_params.clip_grad_norm(self, max_norm, norm_type)
 
 
 FullyShardedDataParallel.__module__ = "reffsdp"

@@ -1,0 +1,431 @@
+"""Full parameters on demand for the wrapper API: the logic behind
+``FullyShardedDataParallel.summon_full_params``, ``apply`` and ``clip_grad_norm_``.
+
+[Note: summoning full parameters]
+``summon_full_params`` unshards every instance it covers through the instance's own core
+group (``ParamGroup.unshard`` + ``wait_for_unshard``), outside forward and backward:
+
+1. The gather runs in the parameters' original dtype: with mixed precision the handle's
+   ``param_dtype`` and its low-precision buffers are set aside for the gather, so the group
+   allocates fresh full-precision ones; the set-aside buffers come back on exit, since a
+   pending backward's saved views alias them. A group still unsharded since forward
+   without mixed precision (SHARD_GRAD_OP, the root) is shown as is.
+2. The original parameters appear under their own names as full-size ``nn.Parameter`` s
+   viewing the gathered buffer (or a CPU copy of it, ``offload_to_cpu``). With
+   ``use_orig_params=True`` these are the very parameter objects the optimizer holds, their
+   ``.data`` swapped; otherwise fresh parameters, and the flat parameter leaves the module's
+   parameters for the duration, as torch's does.
+3. On exit, ``writeback`` copies this rank's chunk of the (possibly edited) full buffer into
+   the local shard, so the optimizer's shard and every later forward see the edit. NO_SHARD
+   always writes back: its full parameters are its shard, edits persist in torch too.
+4. The group reshards (only if the summon gathered), or shows the forward's views again.
+
+``with_grads`` (``use_orig_params=True`` only, like torch's) gathers each rank's gradient
+shard with one all-reduce (does any rank hold a gradient?) and one all-gather, shows the full
+gradients as ``.grad`` and, with ``writeback``, copies this rank's chunk back.
+
+[Note: clipping sharded gradients]
+The total norm is the p-norm of every gradient element of the unsharded model. Sharded
+gradients (FULL_SHARD, SHARD_GRAD_OP, hybrid) hold disjoint pieces, so their local
+``sum |g|^p`` (or max, for inf) is all-reduced over the root's group; gradients every rank
+holds whole (NO_SHARD instances, ignored or unmanaged parameters) are added once, locally.
+Per-gradient norms are taken in fp32 and the result is returned in the gradients' promoted
+dtype. Two ranks, p=2, shards [3] and [4], a replicated gradient [12]:
+``sqrt(9 + 16 + 144) = 13``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..api import ShardingStrategy
+from ..core import comms
+from ..core.states import ShardedState, TrainingState
+from .flat_param import FlatParamHandle, _assign_grad, _set_tensor
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+WRAPPER_PREFIX = "_fsdp_wrapped_module."
+
+
+def _name(instance: FullyShardedDataParallel) -> str:
+    return f"FullyShardedDataParallel({type(instance.module).__name__})"
+
+
+def _uses_sharded_strategy(instance: FullyShardedDataParallel) -> bool:
+    return instance.sharding_strategy is not ShardingStrategy.NO_SHARD
+
+
+def _rank_in_group(instance: FullyShardedDataParallel) -> int:
+    group = instance.process_group
+    return dist.get_rank(group) if group is not None else 0
+
+
+# -- summon_full_params --------------------------------------------------------------------
+
+
+def clean_names(
+    instance: FullyShardedDataParallel, named: Iterable[tuple[str, Any]]
+) -> Iterator[tuple[str, Any]]:
+    """Names without the wrapper prefix while ``instance`` is summoned (torch's rule)."""
+    strip = instance._summoning
+    for name, value in named:
+        yield (name.replace(WRAPPER_PREFIX, "") if strip else name), value
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    module: nn.Module,
+    *,
+    recurse: bool,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Iterator[None]:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+    if recurse:
+        instances = FullyShardedDataParallel.fsdp_modules(module)
+    else:
+        instances = [module] if isinstance(module, FullyShardedDataParallel) else []
+    options = dict(
+        writeback=writeback,
+        rank0_only=rank0_only,
+        offload_to_cpu=offload_to_cpu,
+        with_grads=with_grads,
+    )
+    with contextlib.ExitStack() as stack:
+        for instance in instances:  # outermost first; exits run innermost first
+            stack.enter_context(summon_one(instance, **options))
+        yield
+
+
+def _check_options(
+    instance: FullyShardedDataParallel,
+    *,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> None:
+    """torch's rules for the option combinations it does not support."""
+    if with_grads and (offload_to_cpu or not instance._use_orig_params):
+        raise NotImplementedError(
+            f"summon_full_params(with_grads=True) needs use_orig_params=True and "
+            f"offload_to_cpu=False; got use_orig_params={instance._use_orig_params}, "
+            f"offload_to_cpu={offload_to_cpu} on {_name(instance)}"
+        )
+    if offload_to_cpu and instance._handle is not None and not _uses_sharded_strategy(instance):
+        raise NotImplementedError(
+            f"summon_full_params(offload_to_cpu=True) is not supported for NO_SHARD "
+            f"({_name(instance)}); its full parameters are already local"
+        )
+    if writeback and rank0_only:
+        raise NotImplementedError(
+            "summon_full_params(writeback=True, rank0_only=True) is not supported: the other "
+            "ranks have no full parameters to write back; pass writeback=False"
+        )
+    if offload_to_cpu and not rank0_only:
+        warnings.warn(
+            "summon_full_params(offload_to_cpu=True, rank0_only=False) copies the full "
+            "parameters to CPU memory on every rank, which may run out of host memory when "
+            "ranks share a host; consider rank0_only=True",
+            stacklevel=4,
+        )
+
+
+def _check_idle(instance: FullyShardedDataParallel) -> None:
+    group = instance._group
+    if instance._summoning:
+        raise AssertionError(
+            f"Cannot manually unshard parameters when already unsharding parameters: "
+            f"{_name(instance)} is already inside summon_full_params"
+        )
+    state = None
+    if instance.training_state is not TrainingState.IDLE:
+        state = instance.training_state.name
+    elif group is not None and group.training_state is not TrainingState.IDLE:
+        state = group.training_state.name
+    elif instance._root_ctx.final_callback_queued:
+        state = "BACKWARD"
+    if state is not None:
+        raise AssertionError(
+            f"Cannot manually unshard parameters during forward/backward: {_name(instance)} "
+            f"is in training state {state}; call summon_full_params outside forward and "
+            "backward"
+        )
+
+
+@contextlib.contextmanager
+def summon_one(instance: FullyShardedDataParallel, **options: bool) -> Iterator[None]:
+    """Unshard one instance's own parameters for the duration (see the note above)."""
+    _check_options(instance, **options)
+    instance._lazy_init()
+    _check_idle(instance)
+    instance._summoning = True
+    try:
+        if instance._handle is None:
+            yield
+            return
+        full = _FullParams(instance, with_grads=options["with_grads"])
+        if options["rank0_only"] and _rank_in_group(instance) != 0:
+            full.release()
+            yield
+            return
+        writeback = options["writeback"] or not _uses_sharded_strategy(instance)
+        full.show(offload_to_cpu=options["offload_to_cpu"])
+        try:
+            yield
+        finally:
+            full.hide(writeback=writeback)
+            full.release()
+    finally:
+        instance._summoning = False
+
+
+class _FullParams:
+    """One instance's gathered full parameters (and gradients) during a summon."""
+
+    def __init__(self, instance: FullyShardedDataParallel, *, with_grads: bool) -> None:
+        self.instance = instance
+        self.handle: FlatParamHandle = instance._handle
+        self.group = instance._group
+        self.rank = instance._mesh_info.shard_rank
+        self.set_aside: tuple[Any, Any] | None = None  # the forward's low-precision buffers
+        self.was_unsharded = False  # ... and whether they held parameters
+        self.gathered_here = False
+        self.flat = self._gather()  # 1-D, padded_numel, original dtype
+        self.grad_flat = self._gather_grads() if with_grads else None  # same layout
+        self.cpu_copy: torch.Tensor | None = None  # what the module views (offload_to_cpu)
+        self.saved_grads: list[torch.Tensor | None] = []
+        self.saved_flat_entries: list[tuple[str, Any]] | None = None
+
+    # -- gather / release ---------------------------------------------------------------
+
+    def _gather(self) -> torch.Tensor:
+        handle, group = self.handle, self.group
+        group.lazy_init()  # resolves the handle's dtypes; we override them below
+        low_precision = handle.param_dtype is not None
+        if group.is_unsharded and not low_precision:
+            return handle.gathered  # unsharded since forward: already full precision
+        if low_precision:
+            # Forward's views alias these buffers (freed or not): the backward regathers
+            # into them, so the full-precision gather must use buffers of its own.
+            if group.is_unsharded:
+                group.sharded_state = ShardedState.SHARDED
+                self.was_unsharded = True
+            else:
+                group.reshard()  # drops a low-precision prefetch nobody waited for
+            self.set_aside = (handle.gathered, handle.unsharded)
+            handle.gathered = handle.unsharded = None
+        param_dtype, handle.param_dtype = handle.param_dtype, None
+        try:
+            self.instance._unshard_now()
+        finally:
+            handle.param_dtype = param_dtype
+        self.gathered_here = True
+        return handle.gathered
+
+    def _gather_grads(self) -> torch.Tensor | None:
+        """Every rank's gradient shard, gathered; ``None`` if no rank holds one."""
+        handle = self.handle
+        mesh_info = self.instance._mesh_info
+        grads = [p.grad for p in handle.orig_params]
+        present = [g for g in grads if g is not None]
+        dtype = present[0].dtype if present else handle.orig_dtype
+        if mesh_info.shard_size > 1:
+            missing = torch.tensor([0 if present else 1], device=handle.device)
+            comms.all_reduce(missing, mesh_info.shard_group)
+            if int(missing.item()) == mesh_info.shard_size:
+                return None
+        elif not present:
+            return None
+        shard = torch.zeros(handle.shard_numel, dtype=dtype, device=handle.device)
+        for i, grad in enumerate(grads):
+            if grad is not None:
+                handle._shard_piece(shard, i).copy_(grad.reshape(-1))
+        if mesh_info.shard_size == 1:
+            return shard
+        full = torch.empty(handle.layout.padded_numel, dtype=dtype, device=handle.device)
+        comms.all_gather(full, shard, mesh_info.shard_group)
+        return full
+
+    def release(self) -> None:
+        """Reshard if this summon gathered; give back what forward left unsharded."""
+        handle, group = self.handle, self.group
+        if self.gathered_here:
+            group.reshard()
+        if self.set_aside is not None:
+            handle.gathered, handle.unsharded = self.set_aside
+            if self.was_unsharded:
+                group.sharded_state = ShardedState.UNSHARDED
+        if group.is_unsharded:
+            handle.to_unsharded()
+
+    # -- what the module shows ----------------------------------------------------------
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        layout = self.handle.layout
+        return [
+            flat.narrow(0, offset, numel).view(shape)
+            for offset, numel, shape in zip(layout.param_offsets, layout.numels, layout.shapes)
+        ]
+
+    def show(self, *, offload_to_cpu: bool) -> None:
+        handle = self.handle
+        shown = self.flat.detach()
+        if offload_to_cpu and shown.device.type != "cpu":
+            self.cpu_copy = shown = shown.to("cpu")
+        views = self._views(shown)
+        grad_views = self._views(self.grad_flat) if self.grad_flat is not None else None
+        if not handle.use_orig_params:
+            wrapped = self.instance._fsdp_wrapped_module
+            self.saved_flat_entries = list(wrapped._parameters.items())
+            wrapped._parameters.pop("_flat_param", None)
+        for i, slots in enumerate(handle.slots):
+            trainable = handle.trainable[i]
+            if handle.use_orig_params:
+                param = handle.orig_params[i]
+                self.saved_grads.append(param.grad)
+                param.grad = None
+                param.data = views[i]
+            else:
+                param = nn.Parameter(views[i], requires_grad=trainable)
+            if grad_views is not None and trainable:
+                _assign_grad(param, grad_views[i])
+            for slot in slots:
+                _set_tensor(slot, param)
+
+    def hide(self, *, writeback: bool) -> None:
+        handle = self.handle
+        chunk = None
+        if writeback:
+            flat = self.cpu_copy if self.cpu_copy is not None else self.flat
+            start = self.rank * handle.shard_numel
+            chunk = flat.narrow(0, start, handle.shard_numel)
+            with torch.no_grad():
+                handle.local_shard.copy_(chunk)
+        grad_chunk = None
+        if writeback and self.grad_flat is not None:
+            start = self.rank * handle.shard_numel
+            grad_chunk = self.grad_flat.narrow(0, start, handle.shard_numel)
+        if handle.use_orig_params:
+            for i, param in enumerate(handle.orig_params):
+                param.grad = None
+                param.data = handle._shard_piece(handle.local_shard, i)
+                grad = self.saved_grads[i]
+                if grad_chunk is not None and handle.trainable[i]:
+                    piece = handle._shard_piece(grad_chunk, i)
+                    grad = piece.clone() if grad is None else grad.view(-1).copy_(piece)
+                if grad is not None:
+                    _assign_grad(param, grad.view(param.shape))
+        handle.show_sharded()
+        if self.saved_flat_entries is not None:
+            wrapped = self.instance._fsdp_wrapped_module
+            wrapped._parameters.clear()
+            wrapped._parameters.update(self.saved_flat_entries)
+
+
+# -- apply ---------------------------------------------------------------------------------
+
+
+def apply(instance: FullyShardedDataParallel, fn: Any, apply_module: Any) -> Any:
+    """``nn.Module.apply`` with this instance's full parameters shown and written back."""
+    from .fully_sharded_data_parallel import _RESHARD_AFTER_FORWARD as RESHARD_AFTER_FORWARD
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+    uninitialized = instance._is_root is None
+    options = dict(writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False)
+    with summon_one(instance, **options):
+        result = apply_module(fn)
+    if uninitialized and instance._is_root:
+        # The forward may run from another root later: undo the lazy init apply needed.
+        for inner in FullyShardedDataParallel.fsdp_modules(instance):
+            inner._is_root = None
+            if inner._group is not None and inner.sharding_strategy in RESHARD_AFTER_FORWARD:
+                inner._group.configure(reshard_after_forward=True)  # the root had turned it off
+    return result
+
+
+# -- clip_grad_norm_ -----------------------------------------------------------------------
+
+
+def clip_grad_norm(
+    root: FullyShardedDataParallel, max_norm: float, norm_type: float
+) -> torch.Tensor:
+    """Clip every gradient under ``root`` in place; return the total norm (see the note)."""
+    root._lazy_init()
+    if not root._is_root:
+        raise RuntimeError(
+            f"clip_grad_norm_() should only be called on the root FullyShardedDataParallel, "
+            f"not on the nested {_name(root)}"
+        )
+    if root._group is not None and root._group.training_state is not TrainingState.IDLE:
+        raise ValueError("clip_grad_norm_() must be called outside forward and backward")
+    instances = root._root_ctx.instances
+    if not any(_uses_sharded_strategy(i) for i in instances if i._handle is not None):
+        return torch.nn.utils.clip_grad_norm_(root.parameters(), max_norm, norm_type)
+    max_norm, norm_type = float(max_norm), float(norm_type)
+    sharded: dict[int, nn.Parameter] = {}
+    replicated: dict[int, nn.Parameter] = {}
+    for instance in instances:
+        handle = instance._handle
+        if handle is None:
+            continue
+        target = sharded if _uses_sharded_strategy(instance) else replicated
+        params = handle.orig_params if handle.use_orig_params else [handle.flat_param]
+        for param in params:
+            target.setdefault(id(param), param)
+    for param in root.parameters():  # ignored or otherwise unmanaged: whole on every rank
+        if id(param) not in sharded and id(param) not in replicated:
+            replicated[id(param)] = param
+    grads = [p.grad for p in [*sharded.values(), *replicated.values()] if p.grad is not None]
+    device = root.compute_device
+    sharded_norm = _local_norm(sharded.values(), norm_type, device)
+    replicated_norm = _local_norm(replicated.values(), norm_type, device) if replicated else None
+    group = root.process_group
+    if norm_type == math.inf:
+        total = sharded_norm
+        if replicated_norm is not None:
+            total = torch.maximum(total, replicated_norm)
+        comms.all_reduce(total, group, op=dist.ReduceOp.MAX)
+    else:
+        total = sharded_norm**norm_type
+        comms.all_reduce(total, group)
+        if replicated_norm is not None:
+            total = total + replicated_norm**norm_type
+        total = total ** (1.0 / norm_type)
+    if root.cpu_offload.offload_params:
+        total = total.cpu()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coef.to(grad.device, grad.dtype))
+    if not grads:
+        warnings.warn(
+            f"clip_grad_norm_() on rank {root.rank} found no gradients; returning the total "
+            f"norm in {total.dtype}",
+            stacklevel=3,
+        )
+        return total
+    return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
+
+
+def _local_norm(params: Iterable[nn.Parameter], norm_type: float, device: torch.device):
+    """The p-norm (fp32) of this rank's gradients of ``params``, as one vector."""
+    # An empty gradient (a parameter with no elements on this rank) adds nothing.
+    grads = [p.grad.detach() for p in params if p.grad is not None and p.grad.numel()]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type).to(device)
