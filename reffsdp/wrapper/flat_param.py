@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..core.member import resolve_dtypes
 from .flat_layout import FlatLayout, RankShard, flat_layout
 
 
@@ -161,11 +162,9 @@ class FlatParamHandle:
         return self.param_dtype or self.orig_dtype
 
     def lazy_init(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
-        if param_dtype == self.orig_dtype or not self.orig_dtype.is_floating_point:
-            param_dtype = None
-        if reduce_dtype == (param_dtype or self.orig_dtype):
-            reduce_dtype = None
-        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.param_dtype, self.reduce_dtype = resolve_dtypes(
+            self.orig_dtype, param_dtype, reduce_dtype
+        )
 
     # -- all-gather ---------------------------------------------------------------------
 

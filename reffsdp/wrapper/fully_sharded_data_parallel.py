@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from ..core.autograd_hooks import in_backward, queue_final_callback, register_pre_backward
-from ..core.param_group import GroupSettings, ParamGroup
+from ..core.param_group import GroupSettings, ParamGroup, end_backward
 from ..core.runtime import CommContext
 from ..core.states import TrainingState
 from . import full_params, setup
@@ -372,14 +372,9 @@ class FullyShardedDataParallel(nn.Module):
     def _final_callback(self) -> None:
         ctx = self._root_ctx
         try:
+            end_backward([i._group for i in ctx.instances if i._group is not None], ctx.comm)
             for instance in ctx.instances:
-                if instance._group is not None:
-                    instance._group.end_backward()
                 instance.training_state = TrainingState.IDLE
-            ctx.comm.complete_reduces()
-            for instance in ctx.instances:
-                if instance._group is not None:
-                    instance._group.finalize_backward()
             ctx.post_forward_order.clear()
         finally:
             ctx.final_callback_queued = False
