@@ -2,7 +2,7 @@
 
 [Note: flat parameter lifecycle]
 One ``FullyShardedDataParallel`` instance owns the parameters of its module that no nested
-instance owns. They are concatenated (see [Note: flat layout] in ``wrapper/flat_layout``) and
+instance owns. They are concatenated (see [Note: flat layout] in ``flat_layout``) and
 the flat buffer is sharded like any tensor on dim 0. Per rank we keep:
 
 * ``local_shard`` (1-D, ``shard_numel``, original dtype): this rank's padded chunk. The
