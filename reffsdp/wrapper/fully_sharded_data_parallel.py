@@ -20,6 +20,7 @@ backward: pre-backward (first output gradient): unshard, BACKWARD_PRE prefetch
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from ..core.autograd_hooks import in_backward, queue_final_callback, register_pre_backward
+from ..core.collectives import CustomReduction
 from ..core.param_group import GroupSettings, ParamGroup
 from ..core.runtime import CommContext
 from ..core.states import TrainingState
@@ -379,6 +381,50 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             ctx.final_callback_queued = False
             ctx.iter_forward_root = None
+
+    # -- communication hooks ------------------------------------------------------------
+
+    def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:
+        """Reduce the gradients of every instance under this root with ``hook``.
+
+        Once per instance per synchronized backward the hook replaces the default reduction
+        (its collectives and its averaging): ``hook(state, grad)`` under ``NO_SHARD``, with
+        the unsharded flat gradient to reduce in place; ``hook(state, grad, output)`` under
+        the sharded strategies, with the padded unsharded flat gradient and this rank's
+        shard to fill. Built-in hooks live in ``reffsdp.algorithms.default_hooks``. Register
+        once, on the root, before the first forward; hybrid strategies take no hook.
+        """
+        from ..algorithms import LOW_PRECISION_HOOKS
+
+        if not self.check_is_root():
+            raise AssertionError(
+                "register_comm_hook() can only be called on a root FullyShardedDataParallel "
+                "instance (the outermost one); it applies to every instance under the root"
+            )
+        instances = self._root_ctx.instances
+        for instance in instances:
+            if instance.sharding_strategy in setup.HYBRID:
+                raise AssertionError(
+                    "communication hooks are not supported for hybrid strategies, got "
+                    f"{instance.sharding_strategy} on FullyShardedDataParallel("
+                    f"{type(instance.module).__name__})"
+                )
+            group = instance._group
+            if group is not None and group.settings.custom_reduction is not None:
+                raise AssertionError(
+                    "a communication hook is already registered; register_comm_hook() may "
+                    "be called once per root"
+                )
+        if not callable(hook):
+            raise ValueError(f"the communication hook must be callable, got {type(hook).__name__}")
+        reduction = CustomReduction(
+            functools.partial(hook, state),
+            # Low-precision hooks pick the communication dtype: hand them gradients uncast.
+            cast_to_reduce_dtype=hook not in LOW_PRECISION_HOOKS,
+        )
+        for instance in instances:
+            if instance._group is not None:
+                instance._group.configure(custom_reduction=reduction)
 
     # -- gradient accumulation ----------------------------------------------------------
 
