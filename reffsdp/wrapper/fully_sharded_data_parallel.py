@@ -81,8 +81,16 @@ class FullyShardedDataParallel(nn.Module):
         device_mesh: Any = None,
     ) -> None:
         super().__init__()
-        if isinstance(module, FullyShardedDataParallel):
-            raise ValueError("the module is already wrapped by FullyShardedDataParallel")
+        setup.check_arguments(
+            module,
+            FullyShardedDataParallel,
+            sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload,
+            backward_prefetch=backward_prefetch,
+            mixed_precision=mixed_precision,
+            device_mesh=device_mesh,
+            process_group=process_group,
+        )
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         device = setup.compute_device(module, device_id)
         mesh_info = setup.mesh_info_for_strategy(strategy, process_group, device_mesh, device)
