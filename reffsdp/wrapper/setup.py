@@ -73,7 +73,8 @@ def _check_process_group(value: Any) -> None:
 
 def _describe(value: Any) -> str:
     """A value for an error message: its type, and the value itself when that is short
-    (never a module's repr). Types named like reffsdp's show where they come from."""
+    (never a module's repr). Types from outside reffsdp and builtins carry their module, so
+    torch's ``ShardingStrategy`` does not read like reffsdp's."""
     kind = type(value)
     name = kind.__qualname__
     if kind.__module__.split(".")[0] not in ("builtins", "reffsdp"):
@@ -210,7 +211,8 @@ def _check_tiling(
     ``[[0, 1], [0, 1]]``, which hold rank 0 twice.
     """
     me = dist.get_rank()
-    column = [row[shard_ranks.index(me)] for row in rows] if me in shard_ranks else []
+    position = shard_ranks.index(me)
+    column = [row[position] if position < len(row) else None for row in rows]
     flat = sorted(rank for row in rows for rank in row)
     if flat != list(range(world)) or column != replicate_ranks:
         raise ValueError(
