@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
+from ..algorithms import LOW_PRECISION_HOOKS
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from ..core.autograd_hooks import in_backward, queue_final_callback, register_pre_backward
 from ..core.collectives import CustomReduction
@@ -400,10 +401,9 @@ class FullyShardedDataParallel(nn.Module):
         the unsharded flat gradient to reduce in place; ``hook(state, grad, output)`` under
         the sharded strategies, with the padded unsharded flat gradient and this rank's
         shard to fill. Built-in hooks live in ``reffsdp.algorithms.default_hooks``. Register
-        once, on the root, before the first forward; hybrid strategies take no hook.
+        once, on the root, best before the first forward (a later registration applies from
+        the next backward on); hybrid strategies take no hook.
         """
-        from ..algorithms import LOW_PRECISION_HOOKS
-
         if not self.check_is_root():
             raise AssertionError(
                 "register_comm_hook() can only be called on a root FullyShardedDataParallel "
