@@ -22,6 +22,20 @@ collective average (``AVG``), or pre-multiply by ``1/f`` (``PREMUL_SUM``) for a 
 factor ``f``. Otherwise we sum, dividing by ``pre`` before and ``post`` after the sum so
 fp16 neither underflows nor overflows (see ``sharding.pre_post_divide_factors``). Backends
 without ``AVG`` or ``PREMUL_SUM`` (gloo lacks ``PREMUL_SUM``) fall back to sum + divide.
+
+[Note: custom reductions]
+A front end may replace a group's whole reduction (reduce-scatter, HSDP all-reduce and
+every divide) with a :class:`CustomReduction` it supplies, e.g. a user's communication
+hook. The core still lays the gradients out (see [Note: one collective per group]) and
+still hands each member its chunk afterwards; in between it calls the reduction at once,
+on the calling thread, and trusts it to leave the data-parallel result:
+
+* groups with a shard dimension: ``fn(grad, output)``, ``grad`` the padded input row
+  buffer (1D, ``shard_size * N``) and ``output`` (1D, ``N``) this rank's chunk to fill;
+* replicate-only groups (no shard dimension): ``fn(grad)``, reducing ``grad`` in place.
+
+The function may swap a tensor's ``.data`` (say, to communicate in fp16 and cast back):
+the core reads ``output`` (or ``grad``) only after the call.
 """
 
 from __future__ import annotations
@@ -161,6 +175,16 @@ def plan_reduction(
     )
 
 
+@dataclass(frozen=True)
+class CustomReduction:
+    """A reduction the front end supplies (see [Note: custom reductions])."""
+
+    fn: Callable[..., None]
+    # False: hand the gradients over in their own dtype, not cast to the reduce dtype first
+    # (for a reduction that picks its own communication dtype).
+    cast_to_reduce_dtype: bool = True
+
+
 @dataclass
 class PartialReduce:
     """HSDP with the all-reduce off: reduce-scatter outputs summed until it is back on."""
@@ -190,6 +214,7 @@ class ReduceSpec:
     hook_stream: Any = None  # a user stream to run ``hook`` on
     comm: comms.ReduceScatter | None = None  # a custom reduce-scatter
     group: dist.ProcessGroup | None = None  # reduce-scatter group; None: the shard group
+    custom_reduction: CustomReduction | None = None  # replaces the collectives and divides
 
 
 @dataclass
@@ -212,7 +237,7 @@ class PendingReduce:
         output, spec = self.output, self.spec
         self.input = self.output = None
         assert output is not None
-        if spec.mesh_info.has_replicate_group:
+        if spec.mesh_info.has_replicate_group and spec.custom_reduction is None:
             if not spec.all_reduce:
                 spec.partial.add(output)
                 return
@@ -258,6 +283,8 @@ def foreach_reduce(
         (world_size * shard_numel,), dtype=spec.reduce_dtype, device=grads[0].device
     )
     torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=rs_input.view(world_size, -1))
+    if spec.custom_reduction is not None:
+        return _custom_reduce(members, rs_input, spec)
     plan = spec.plan
     if plan.pre_factor is not None:
         rs_input.div_(plan.pre_factor)
@@ -269,3 +296,16 @@ def foreach_reduce(
     group = spec.group if spec.group is not None else spec.mesh_info.shard_group
     work = comm(output, rs_input, group, plan.reduce_scatter_op, async_op=True)
     return PendingReduce(members, spec, input=rs_input, output=output, work=work)
+
+
+def _custom_reduce(
+    members: list[GroupMember], grad: torch.Tensor, spec: ReduceSpec
+) -> PendingReduce:
+    """Run the front end's reduction now (see [Note: custom reductions])."""
+    assert spec.custom_reduction is not None
+    if spec.mesh_info.shard_mesh_dim is None:
+        spec.custom_reduction.fn(grad)
+        return PendingReduce(members, spec, input=None, output=grad)
+    output = grad.new_empty(grad.numel() // spec.mesh_info.shard_size)
+    spec.custom_reduction.fn(grad, output)
+    return PendingReduce(members, spec, input=grad, output=output)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives, comms
-from .collectives import AllGatherResult, ReduceSpec
+from .collectives import AllGatherResult, CustomReduction, ReduceSpec
 from .member import GroupMember
 from .mesh import MeshInfo
 from .runtime import CommContext
@@ -52,6 +52,8 @@ class GroupSettings:
     reduce_scatter_comm: comms.ReduceScatter | None = None
     reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
     max_pending_reduces: int = 1  # see [Note: bounded in-flight reductions]
+    # Replaces the reduce-scatter, all-reduce and divides (see [Note: custom reductions]).
+    custom_reduction: CustomReduction | None = None
 
 
 class ParamGroup:
@@ -253,20 +255,26 @@ class ParamGroup:
             )
 
     def _reduce_spec(self, members: list[GroupMember], grads: list[torch.Tensor]) -> ReduceSpec:
+        settings = self.settings
+        custom = settings.custom_reduction
         reduce_dtype = members[0].reduce_dtype or grads[0].dtype
+        if custom is not None and not custom.cast_to_reduce_dtype:
+            reduce_dtype = grads[0].dtype
         dtypes = {g.dtype for g in grads}
         if len(dtypes) > 1 and members[0].reduce_dtype is None:
             raise AssertionError(
                 f"{self!r}: gradients of one reduction must share a dtype, got "
                 f"{sorted(map(str, dtypes))}"
             )
-        settings = self.settings
-        plan = collectives.plan_reduction(
-            self.mesh_info,
-            reduce_dtype,
-            divide_factor=settings.gradient_divide_factor,
-            force_sum=settings.force_sum_reduction,
-        )
+        if custom is not None:  # it divides, if at all (see [Note: custom reductions])
+            plan = collectives.ReducePlan(dist.ReduceOp.SUM, dist.ReduceOp.SUM, None, None)
+        else:
+            plan = collectives.plan_reduction(
+                self.mesh_info,
+                reduce_dtype,
+                divide_factor=settings.gradient_divide_factor,
+                force_sum=settings.force_sum_reduction,
+            )
         return ReduceSpec(
             mesh_info=self.mesh_info,
             reduce_dtype=reduce_dtype,
@@ -277,6 +285,7 @@ class ParamGroup:
             hook_stream=settings.all_reduce_hook_stream,
             comm=settings.reduce_scatter_comm,
             group=settings.reduce_scatter_group,
+            custom_reduction=custom,
         )
 
     def end_backward(self) -> None:

@@ -20,6 +20,7 @@ backward: pre-backward (first output gradient): unshard, BACKWARD_PRE prefetch
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +29,10 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
+from ..algorithms import LOW_PRECISION_HOOKS
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from ..core.autograd_hooks import in_backward, queue_final_callback, register_pre_backward
+from ..core.collectives import CustomReduction
 from ..core.param_group import GroupSettings, ParamGroup, end_backward
 from ..core.runtime import CommContext
 from ..core.states import TrainingState
@@ -79,8 +82,16 @@ class FullyShardedDataParallel(nn.Module):
         device_mesh: Any = None,
     ) -> None:
         super().__init__()
-        if isinstance(module, FullyShardedDataParallel):
-            raise ValueError("the module is already wrapped by FullyShardedDataParallel")
+        setup.check_arguments(
+            module,
+            FullyShardedDataParallel,
+            sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload,
+            backward_prefetch=backward_prefetch,
+            mixed_precision=mixed_precision,
+            device_mesh=device_mesh,
+            process_group=process_group,
+        )
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         device = setup.compute_device(module, device_id)
         mesh_info = setup.mesh_info_for_strategy(strategy, process_group, device_mesh, device)
@@ -379,6 +390,49 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             ctx.final_callback_queued = False
             ctx.iter_forward_root = None
+
+    # -- communication hooks ------------------------------------------------------------
+
+    def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:
+        """Reduce the gradients of every instance under this root with ``hook``.
+
+        Once per instance per synchronized backward the hook replaces the default reduction
+        (its collectives and its averaging): ``hook(state, grad)`` under ``NO_SHARD``, with
+        the unsharded flat gradient to reduce in place; ``hook(state, grad, output)`` under
+        the sharded strategies, with the padded unsharded flat gradient and this rank's
+        shard to fill. Built-in hooks live in ``reffsdp.algorithms.default_hooks``. Register
+        once, on the root, best before the first forward (a later registration applies from
+        the next backward on); hybrid strategies take no hook.
+        """
+        if not self.check_is_root():
+            raise AssertionError(
+                "register_comm_hook() can only be called on a root FullyShardedDataParallel "
+                "instance (the outermost one); it applies to every instance under the root"
+            )
+        instances = self._root_ctx.instances
+        for instance in instances:
+            if instance.sharding_strategy in setup.HYBRID:
+                raise AssertionError(
+                    "communication hooks are not supported for hybrid strategies, got "
+                    f"{instance.sharding_strategy} on FullyShardedDataParallel("
+                    f"{type(instance.module).__name__})"
+                )
+            group = instance._group
+            if group is not None and group.settings.custom_reduction is not None:
+                raise AssertionError(
+                    "a communication hook is already registered; register_comm_hook() may "
+                    "be called once per root"
+                )
+        if not callable(hook):
+            raise ValueError(f"the communication hook must be callable, got {type(hook).__name__}")
+        reduction = CustomReduction(
+            functools.partial(hook, state),
+            # Low-precision hooks pick the communication dtype: hand them gradients uncast.
+            cast_to_reduce_dtype=hook not in LOW_PRECISION_HOOKS,
+        )
+        for instance in instances:
+            if instance._group is not None:
+                instance._group.configure(custom_reduction=reduction)
 
     # -- gradient accumulation ----------------------------------------------------------
 

@@ -6,6 +6,8 @@ builds its flat parameter; none of it is needed during training.
 
 from __future__ import annotations
 
+import enum
+import hashlib
 import os
 import warnings
 from collections.abc import Callable, Iterable
@@ -16,11 +18,72 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..api import ShardingStrategy
+from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from ..core import comms
 from ..core.mesh import MeshInfo
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+_ARGUMENT_TYPES: dict[str, type] = {
+    "sharding_strategy": ShardingStrategy,
+    "cpu_offload": CPUOffload,
+    "backward_prefetch": BackwardPrefetch,
+    "mixed_precision": MixedPrecision,
+    "device_mesh": DeviceMesh,
+}
+
+
+def check_arguments(module: Any, wrapper_cls: type, **arguments: Any) -> None:
+    """Refuse a module that cannot be wrapped and arguments of the wrong type, by name.
+
+    ``arguments`` are the constructor's keyword arguments named in ``_ARGUMENT_TYPES``
+    (each may be ``None``) and ``process_group``.
+    """
+    if isinstance(module, wrapper_cls):
+        raise ValueError(
+            f"the module is already a {wrapper_cls.__name__} (wrapping "
+            f"{type(module.module).__name__}); wrap it once. To nest instances, wrap the "
+            f"children first and then their parent, which may contain {wrapper_cls.__name__} "
+            "instances (without an auto_wrap_policy)"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {_describe(module)}")
+    for name, value in arguments.items():
+        if name == "process_group":
+            _check_process_group(value)
+            continue
+        expected = _ARGUMENT_TYPES[name]
+        if value is not None and not isinstance(value, expected):
+            where = "reffsdp" if expected.__module__.startswith("reffsdp") else expected.__module__
+            raise TypeError(
+                f"{name} must be a {where}.{expected.__name__} or None, got {_describe(value)}"
+            )
+
+
+def _check_process_group(value: Any) -> None:
+    groups = value if isinstance(value, tuple) else (value,)
+    if value is None or all(isinstance(g, dist.ProcessGroup) for g in groups):
+        return
+    raise TypeError(
+        "process_group must be a ProcessGroup, a (shard_group, replicate_group) pair of them "
+        f"for a hybrid strategy, or None, got {_describe(value)}"
+    )
+
+
+def _describe(value: Any) -> str:
+    """A value for an error message: its type, and the value itself when that is short
+    (never a module's repr). Types from outside reffsdp and builtins carry their module, so
+    torch's ``ShardingStrategy`` does not read like reffsdp's."""
+    kind = type(value)
+    name = kind.__qualname__
+    if kind.__module__.split(".")[0] not in ("builtins", "reffsdp"):
+        name = f"{kind.__module__}.{name}"
+    if isinstance(value, (str, int, float, enum.Enum)):
+        return f"{name} {value!r}"
+    if isinstance(value, tuple):
+        return f"a tuple of {[type(v).__name__ for v in value]}"
+    return name
 
 
 def compute_device(module: nn.Module, device_id: int | torch.device | None) -> torch.device:
@@ -118,8 +181,9 @@ def _hybrid_mesh(process_group: Any, device_mesh: DeviceMesh | None, device_type
             f"({len(replicate_ranks)} ranks) must cover the world ({world} ranks)"
         )
     # Row i of the mesh: the shard group that holds replicate rank i's copy.
-    rows = [_all_gather_ranks(shard_ranks, replicate_group)]
-    mesh = torch.tensor(rows[0], dtype=torch.int)
+    rows = _all_gather_ranks(shard_ranks, replicate_group)
+    _check_tiling(rows, shard_ranks, replicate_ranks, world)
+    mesh = torch.tensor(rows, dtype=torch.int)
     return DeviceMesh.from_group(
         [replicate_group, shard_group],
         device_type,
@@ -134,6 +198,29 @@ def _all_gather_ranks(shard_ranks: list[int], replicate_group: dist.ProcessGroup
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(replicate_group))]
     dist.all_gather(rows, mine, group=replicate_group)
     return [row.tolist() for row in rows]
+
+
+def _check_tiling(
+    rows: list[list[int]], shard_ranks: list[int], replicate_ranks: list[int], world: int
+) -> None:
+    """The replicas' shard groups must hold every rank once, and this rank's replicate
+    group must be the ranks at its position in them.
+
+    Four ranks, shard groups ``[0, 1]`` and ``[2, 3]``: rank 0's replicate group must be
+    ``[0, 2]`` (rows ``[[0, 1], [2, 3]]``, column 0); ``[0, 1]`` gives rows
+    ``[[0, 1], [0, 1]]``, which hold rank 0 twice.
+    """
+    me = dist.get_rank()
+    position = shard_ranks.index(me)
+    column = [row[position] if position < len(row) else None for row in rows]
+    flat = sorted(rank for row in rows for rank in row)
+    if flat != list(range(world)) or column != replicate_ranks:
+        raise ValueError(
+            "process_group=(shard_group, replicate_group) must tile the world: every rank in "
+            "one shard group, each replicate group holding the ranks at the same position "
+            f"of the shard groups; on rank {me} the shard group is {shard_ranks}, the "
+            f"replicate group {replicate_ranks}, and the replicas' shard groups {rows}"
+        )
 
 
 def _intra_inter_node_mesh(device_type: str) -> DeviceMesh:
@@ -262,9 +349,32 @@ def sync_module_states(
         groups.append(mesh_info.shard_group)
     with torch.no_grad():
         for group in groups:
+            _check_same_shapes(tensors, group, torch.device(mesh_info.device_type))
             src = dist.get_global_rank(group, 0)
             for tensor in tensors:
                 comms.broadcast(tensor.data, src, group)
+
+
+def _check_same_shapes(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, device: torch.device
+) -> None:
+    """Before broadcasting: every rank of ``group`` must hold tensors of the same shapes and
+    dtypes, or the broadcasts would hang or copy into the wrong tensors. Ranks all-gather a
+    digest of their list, so every rank sees a mismatch and raises."""
+    shapes = [f"{tuple(t.shape)} {t.dtype}" for t in tensors]
+    digest = hashlib.sha256(repr(shapes).encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=device)
+    everyone = mine.new_empty(dist.get_world_size(group))
+    comms.all_gather(everyone, mine, group)
+    digests = everyone.tolist()
+    differ = [rank for rank, value in enumerate(digests) if value != digests[0]]
+    if differ:
+        ranks = dist.get_process_group_ranks(group)
+        raise ValueError(
+            "sync_module_states=True needs the same parameter and buffer shapes and dtypes on "
+            f"every rank, but ranks {[ranks[r] for r in differ]} differ from rank {ranks[0]}; "
+            f"rank {dist.get_rank()} has {len(shapes)} tensors: {shapes}"
+        )
 
 
 def warn_no_shard(strategy: ShardingStrategy, world_size: int) -> ShardingStrategy:

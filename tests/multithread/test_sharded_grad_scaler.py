@@ -1,8 +1,9 @@
 """``ShardedGradScaler``: every rank skips the step when any rank's gradient shard has an inf.
 
 Plain (per-rank) gradients stand in for sharded ones where the test plants values by hand;
-``fully_shard`` models give real ``DTensor`` gradients. torch's own ``ShardedGradScaler`` is
-the reference for the scale, the growth tracker and the steps taken.
+``fully_shard`` models give real ``DTensor`` gradients, ``FullyShardedDataParallel`` models
+flat ones (or 1-D views of them, with ``use_orig_params=True``). torch's own
+``ShardedGradScaler`` is the reference for the scale, the growth tracker and the steps taken.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchShardedGradScaler
 from torch.distributed.tensor import DTensor
 
-from reffsdp import fully_shard
+from reffsdp import FullyShardedDataParallel, fully_shard
 from reffsdp.core.comms import Collective
 from reffsdp.sharded_grad_scaler import ShardedGradScaler
 from reffsdp.testing.comm_counter import CommCounter
@@ -181,6 +182,64 @@ class TestShardedGradScaler(FSDPTestMultiThread):
         for param, old in zip(model.parameters(), before):
             _assert_same(param.to_local(), old)
         self.assertEqual(scaler.get_scale(), 2.0)
+
+    def test_wrapper_training_matches_an_unscaled_run(self):
+        """The wrapper's flat gradients (and, with ``use_orig_params``, its 1-D views, some
+        of them empty) unscale exactly too."""
+        self.run_subtests({"use_orig_params": [False, True]}, self._test_wrapper_scaled)
+
+    def _test_wrapper_scaled(self, use_orig_params):
+        model, ref = self._wrapped_pair(use_orig_params)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
+        scaler = ShardedGradScaler(device="cpu", init_scale=2.0**10, growth_interval=1)
+        make_inputs = random_inputs(2, 8)
+        for iteration in range(3):
+            inputs = make_inputs(iteration, self.rank)
+            scaler.scale(model(inputs).sum()).backward()
+            scaler.step(optim)
+            scaler.update()
+            ref(inputs).sum().backward()
+            ref_optim.step()
+            for optimizer in (optim, ref_optim):
+                optimizer.zero_grad()
+            for param, ref_param in zip(model.parameters(), ref.parameters()):
+                _assert_same(param, ref_param)
+        self.assertEqual(scaler.get_scale(), 2.0**13)
+
+    def test_inf_in_one_wrapper_shard_skips_everywhere(self):
+        self.run_subtests({"use_orig_params": [False, True]}, self._test_wrapper_inf)
+
+    def _test_wrapper_inf(self, use_orig_params):
+        model, _ = self._wrapped_pair(use_orig_params)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = ShardedGradScaler(device="cpu", init_scale=4.0)
+        scaler.scale(model(random_inputs(2, 8)(0, self.rank)).sum()).backward()
+        before = [param.detach().clone() for param in model.parameters()]
+        if self.rank == INF_RANK:
+            grad = next(p.grad for p in model.parameters() if p.grad is not None and p.numel())
+            grad.view(-1)[-1] = float("inf")
+        with CommCounter() as counter:
+            scaler.step(optim)
+        scaler.update()
+        self.assertEqual(counter.get_comm_counts()[Collective.ALL_REDUCE], 1)
+        for param, old in zip(model.parameters(), before):
+            _assert_same(param, old)
+        self.assertEqual(scaler.get_scale(), 2.0)
+
+    def _wrapped_pair(self, use_orig_params: bool):
+        """Two identical wrapped ``MLPStack`` s: a block per instance, plus the root."""
+        model = MLPStack(8)
+        self.sync_module_states(model)
+        ref = copy.deepcopy(model)
+        wrapped = []
+        for module in (model, ref):
+            for index in range(len(module)):
+                module[index] = FullyShardedDataParallel(
+                    module[index], use_orig_params=use_orig_params
+                )
+            wrapped.append(FullyShardedDataParallel(module, use_orig_params=use_orig_params))
+        return wrapped[0], wrapped[1]
 
 
 def test_scale_keeps_the_output_dtype():

@@ -1,0 +1,158 @@
+"""``FullyShardedDataParallel`` misuse: errors that name the problem, raised on every rank.
+
+Where torch's wrapper raises too, the test checks that it raises the same exception type
+(torch's wrapper runs here with ``device_id=cpu``). Where torch accepts the misuse or fails
+with an unrelated error (an ``AttributeError`` deep inside, a hang), reffsdp raises a
+clear ``TypeError`` / ``ValueError`` instead; the comments say which.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
+
+from reffsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+)
+from reffsdp.core.comms import Collective
+from reffsdp.testing.comm_counter import CommCounter
+from reffsdp.testing.multithread import FSDPTestMultiThread
+from reffsdp.wrap import ModuleWrapPolicy
+
+pytestmark = pytest.mark.multithread
+
+_TORCH_CPU = {"device_id": torch.device("cpu")}  # torch's wrapper needs it on a CPU machine
+HYBRID_SHARD = ShardingStrategy.HYBRID_SHARD
+
+
+def _nested(wrapper_cls=FullyShardedDataParallel, **kwargs) -> nn.Module:
+    inner = wrapper_cls(nn.Linear(4, 4), **kwargs)
+    return wrapper_cls(nn.Sequential(inner, nn.Linear(4, 4)), **kwargs)
+
+
+class TestWrapperMisuse(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_wrapping_an_instance_again(self):
+        instance = FullyShardedDataParallel(nn.Linear(4, 4))
+        # torch accepts this and builds an outer instance with nothing to shard.
+        with pytest.raises(ValueError, match="already a FullyShardedDataParallel"):
+            FullyShardedDataParallel(instance)
+        # A parent of instances is how nesting is done by hand: fine without a policy...
+        FullyShardedDataParallel(nn.Sequential(instance, nn.Linear(4, 4)))
+        # ...but auto wrapping refuses a tree that holds instances already, as torch does.
+        for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
+            parent = nn.Sequential(wrapper_cls(nn.Linear(4, 4), **extra), nn.Linear(4, 4))
+            with pytest.raises(ValueError, match="FSDP|FullyShardedDataParallel"):
+                wrapper_cls(parent, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), **extra)
+
+    def test_no_sync_on_a_non_root(self):
+        for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
+            model = _nested(wrapper_cls, **extra)
+            model(torch.ones(2, 4))
+            inner = model.module[0]
+            with pytest.raises(RuntimeError, match="root"):
+                with inner.no_sync():
+                    pass
+
+    def test_hybrid_needs_a_2d_mesh_or_a_group_pair(self):
+        world = dist.group.WORLD
+        cases = [
+            ({"device_mesh": init_device_mesh("cpu", (2,))}, "2-D device_mesh"),
+            ({"process_group": world}, r"\(shard_group, replicate_group\)"),
+            ({"process_group": (world, world, world)}, r"\(shard_group, replicate_group\)"),
+        ]
+        for kwargs, message in cases:
+            with self.subTest(kwargs=kwargs):
+                with pytest.raises(ValueError, match=message):
+                    FullyShardedDataParallel(
+                        nn.Linear(4, 4), sharding_strategy=HYBRID_SHARD, **kwargs
+                    )
+                with pytest.raises(ValueError):
+                    TorchFSDP(
+                        nn.Linear(4, 4),
+                        sharding_strategy=TorchShardingStrategy.HYBRID_SHARD,
+                        **kwargs,
+                        **_TORCH_CPU,
+                    )
+        # torch accepts these two pairs silently; neither tiles two ranks.
+        with pytest.raises(ValueError, match="must cover the world"):
+            FullyShardedDataParallel(
+                nn.Linear(4, 4), sharding_strategy=HYBRID_SHARD, process_group=(world, world)
+            )
+        with pytest.raises(TypeError, match="process_group must be a ProcessGroup"):
+            FullyShardedDataParallel(
+                nn.Linear(4, 4), sharding_strategy=HYBRID_SHARD, process_group=(world, "all")
+            )
+
+    def test_sync_module_states_with_different_shapes(self):
+        """A clear error on every rank before any broadcast (not a hang, not a wrong copy)."""
+        for module in (nn.Linear(4, 4 + self.rank), nn.Linear(4, 4).to(self._dtype_of_rank())):
+            with CommCounter() as counter:
+                with pytest.raises(ValueError, match=r"sync_module_states=True needs the same"):
+                    FullyShardedDataParallel(module, sync_module_states=True)
+            self.assertEqual(counter.get_comm_counts()[Collective.BROADCAST], 0)
+        FullyShardedDataParallel(nn.Linear(4, 4), sync_module_states=True)  # same: fine
+
+    def _dtype_of_rank(self) -> torch.dtype:
+        return torch.float32 if self.rank == 0 else torch.float64
+
+    def test_argument_types(self):
+        """torch fails on most of these with an AttributeError far from the cause (or takes
+        them silently); reffsdp names the argument."""
+        cases = [
+            ({"sharding_strategy": "FULL_SHARD"}, "sharding_strategy must be a reffsdp"),
+            ({"sharding_strategy": TorchShardingStrategy.FULL_SHARD}, "reffsdp.ShardingStrategy"),
+            ({"cpu_offload": True}, "cpu_offload must be a reffsdp.CPUOffload"),
+            ({"mixed_precision": {"param_dtype": torch.float16}}, "mixed_precision must be"),
+            ({"backward_prefetch": "BACKWARD_PRE"}, "backward_prefetch must be"),
+            ({"process_group": 3}, "process_group must be a ProcessGroup"),
+            ({"device_mesh": "cpu"}, "device_mesh must be a torch.distributed"),
+        ]
+        for kwargs, message in cases:
+            with self.subTest(kwargs=kwargs):
+                with pytest.raises(TypeError, match=message):
+                    FullyShardedDataParallel(nn.Linear(4, 4), **kwargs)
+        with pytest.raises(TypeError, match="module must be an nn.Module, got torch.Tensor"):
+            FullyShardedDataParallel(torch.ones(4))
+        # The right types still pass.
+        FullyShardedDataParallel(
+            nn.Linear(4, 4),
+            sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+            cpu_offload=CPUOffload(),
+            mixed_precision=MixedPrecision(),
+            backward_prefetch=BackwardPrefetch.BACKWARD_POST,
+        )
+
+
+class TestWrapperHybridGroups(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_group_pair_must_tile_the_world(self):
+        # Every rank creates every group, in the same order.
+        rows = {ranks: dist.new_group(list(ranks)) for ranks in [(0, 1), (2, 3)]}
+        columns = {ranks: dist.new_group(list(ranks)) for ranks in [(0, 2), (1, 3)]}
+        shard = next(g for ranks, g in rows.items() if self.rank in ranks)
+        replicate = next(g for ranks, g in columns.items() if self.rank in ranks)
+        model = FullyShardedDataParallel(
+            nn.Linear(4, 4), sharding_strategy=HYBRID_SHARD, process_group=(shard, replicate)
+        )
+        self.assertEqual(model.world_size, 2)
+        # Sizes multiply to the world, but the "replicas" are the shard group itself.
+        with pytest.raises(ValueError, match="must tile the world"):
+            FullyShardedDataParallel(
+                nn.Linear(4, 4), sharding_strategy=HYBRID_SHARD, process_group=(shard, shard)
+            )
