@@ -339,8 +339,14 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def _prefetch(target: FullyShardedDataParallel | None) -> None:
-        if target is not None and target._group is not None:
-            target._group.unshard()
+        if target is None or target._group is None:
+            return
+        if target._group.training_state in (
+            TrainingState.PRE_BACKWARD,
+            TrainingState.POST_BACKWARD,
+        ):
+            return  # its backward already ran in this pass: gathering again would be waste
+        target._group.unshard()
 
     # -- backward -----------------------------------------------------------------------
 
@@ -360,9 +366,11 @@ class FullyShardedDataParallel(nn.Module):
     def _post_backward(self) -> None:
         group = self._group
         assert group is not None
-        group.post_backward()
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            # Before this unit's reduction, as torch orders them: the next unit's gather is
+            # not queued behind the reduce-scatter.
             self._prefetch(self._previous_in_forward())
+        group.post_backward()
 
     def _final_callback(self) -> None:
         ctx = self._root_ctx
