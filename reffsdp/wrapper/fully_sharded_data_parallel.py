@@ -102,6 +102,8 @@ class FullyShardedDataParallel(nn.Module):
                 forward_prefetch=forward_prefetch,
                 limit_all_gathers=limit_all_gathers,
                 use_orig_params=use_orig_params,
+                # Ignored parameters stay ignored inside the children that hold them.
+                ignored_states=ignored_params or None,
                 device_mesh=device_mesh,
             )
             auto_wrap_children(

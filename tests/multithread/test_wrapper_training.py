@@ -14,6 +14,7 @@ both sides average in fp32.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -174,3 +175,165 @@ class TestWrapperHybridTraining(WrapperTrainChecks, FSDPTestMultiThread):
             },
             lambda how, **kwargs: self.check_parity(mesh_kwargs=self.hybrid_kwargs(how), **kwargs),
         )
+
+
+def _seeded_init(module: nn.Module) -> None:
+    """A ``param_init_fn``: real storage, then values that depend only on the module's
+    shapes (the same on every rank without a collective)."""
+    module.to_empty(device="cpu", recurse=False)
+    generator = torch.Generator().manual_seed(sum(t.numel() for t in module.parameters(False)))
+    with torch.no_grad():
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.5 + 0.1)
+
+
+def _reference_from(wrapped: nn.Module) -> MLPBlocks:
+    """An unsharded ``MLPBlocks`` holding what ``wrapped`` holds (parameters and buffers)."""
+    ref_model = MLPBlocks(DIM, with_buffer=True)
+    params = {name: p.detach().clone() for name, (p, _) in unflattened_params(wrapped).items()}
+    buffers = {
+        name.replace("_fsdp_wrapped_module.", ""): b.detach().clone()
+        for name, b in wrapped.named_buffers()
+    }
+    ref_model.load_state_dict({**params, **buffers})
+    return ref_model
+
+
+class TestWrapperFeatures(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_meta_device_init_with_param_init_fn(self):
+        with torch.device("meta"):
+            model = MLPBlocks(DIM, with_buffer=True)
+        ref_model = MLPBlocks(DIM, with_buffer=True)
+        for module in ref_model.modules():
+            _seeded_init(module)
+        wrapped = wrap_blocks(model, {MLP}, param_init_fn=_seeded_init, use_orig_params=True)
+        self.assertFalse(any(t.is_meta for t in [*wrapped.parameters(), *wrapped.buffers()]))
+        check_train_parity(self, ref_model, wrapped, make_inputs, num_steps=2)
+
+    def test_meta_device_init_with_reset_parameters_and_sync_module_states(self):
+        with torch.device("meta"):
+            model = MLPBlocks(DIM, with_buffer=True)
+        # Each rank draws its own values (the ranks share one RNG); rank 0's win.
+        wrapped = wrap_blocks(model, {MLP}, sync_module_states=True)
+        self.assertFalse(any(t.is_meta for t in [*wrapped.parameters(), *wrapped.buffers()]))
+        full = unflattened_params(wrapped)
+        for name, (param, _) in full.items():
+            self.assertTrue(param.isfinite().all(), name)
+            self.assertGreater(param.abs().sum().item(), 0.0, name)  # reset, not left empty
+        check_train_parity(self, _reference_from(wrapped), wrapped, make_inputs, num_steps=2)
+
+    def test_sync_module_states_takes_rank0s_params_and_buffers(self):
+        self.run_subtests(
+            {"strategy": [S.FULL_SHARD, S.NO_SHARD], "use_orig_params": [False, True]},
+            self._check_sync_module_states,
+        )
+
+    def _check_sync_module_states(self, strategy, use_orig_params):
+        model = init_deterministic(MLPBlocks(DIM, with_buffer=True), seed=self.rank)
+        with torch.no_grad():
+            for buffer in model.buffers():
+                buffer.fill_(float(self.rank + 1))
+        rank0 = copy.deepcopy(model)
+        for tensor in [*rank0.parameters(), *rank0.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+        wrapped = wrap_blocks(
+            model,
+            {MLP},
+            sharding_strategy=strategy,
+            use_orig_params=use_orig_params,
+            sync_module_states=True,
+        )
+        full = unflattened_params(wrapped)
+        for name, param in rank0.named_parameters():
+            torch.testing.assert_close(full[name][0], param, rtol=0, atol=0, msg=name)
+        buffers = {n.replace("_fsdp_wrapped_module.", ""): b for n, b in wrapped.named_buffers()}
+        for name, buffer in rank0.named_buffers():
+            torch.testing.assert_close(buffers[name], buffer, rtol=0, atol=0, msg=name)
+
+    def test_ignored_modules_and_states_stay_local(self):
+        self.run_subtests(
+            {"how": ["ignored_modules", "ignored_states"], "use_orig_params": [False, True]},
+            self._check_ignored,
+        )
+
+    def _check_ignored(self, how, use_orig_params):
+        _, model = reference_and_model(blocks_model())
+        local_model = copy.deepcopy(model)  # no data parallelism: what the block keeps
+        ignored = list(model.layers[1].parameters())
+        kwargs = (
+            {"ignored_modules": [model.layers[1]]}
+            if how == "ignored_modules"
+            else {"ignored_states": ignored}
+        )
+        wrapped = wrap_blocks(model, {MLP}, use_orig_params=use_orig_params, **kwargs)
+        handles = [i._handle for i in FullyShardedDataParallel.fsdp_modules(wrapped) if i._handle]
+        self.assertEqual(len(handles), 2)  # the root's proj, block 0; block 1 is not flattened
+        self.assertFalse(any(f.startswith("layers.1.") for h in handles for f in h.fqns))
+        self.assertEqual(len(ignored), 4)
+        for param in ignored:  # still the block's own full-size parameters
+            self.assertIn(param, set(wrapped.parameters()))
+        x = make_inputs(0, self.rank)
+        with CommCounter() as counter:
+            wrapped(x).sum().backward()
+        local_model(x).sum().backward()
+        flat_numel = sum(h.layout.padded_numel for h in handles)
+        self.assertEqual(counter.get_comm_bytes()[RS], 4 * flat_numel)  # never reduced
+        for (name, ref_param), param in zip(local_model.layers[1].named_parameters(), ignored):
+            torch.testing.assert_close(param.grad, ref_param.grad, msg=name)  # not averaged
+        grads = [torch.empty_like(ignored[0].grad) for _ in range(self.world_size)]
+        dist.all_gather(grads, ignored[0].grad)
+        self.assertFalse(torch.equal(grads[0], grads[1]))  # the ranks' inputs differ
+
+    def test_frozen_and_trainable_mix(self):
+        ref_model, model = reference_and_model(blocks_model())
+        for module in (ref_model, model):
+            module.layers[0].in_proj.requires_grad_(False)
+            module.proj.bias.requires_grad_(False)
+        wrapped = wrap_blocks(copy.deepcopy(model), {MLP}, use_orig_params=True)
+        check_train_parity(self, ref_model, wrapped, make_inputs, num_steps=2)
+        for name, (_, grad) in unflattened_params(wrapped).items():
+            frozen = name.startswith("layers.0.in_proj") or name == "proj.bias"
+            self.assertEqual(grad is None, frozen, name)
+        # Torch refuses a mix inside one flat parameter without use_orig_params.
+        with self.assertRaisesRegex(ValueError, "requires_grad"):
+            wrap_blocks(model, {MLP}, use_orig_params=False)
+
+    def test_tied_weights(self):
+        self.run_subtests(
+            {"strategy": [S.FULL_SHARD, S.SHARD_GRAD_OP], "use_orig_params": [False, True]},
+            self._check_tied,
+        )
+
+    def _check_tied(self, strategy, use_orig_params):
+        model = init_deterministic(TiedStack())
+        ref_model = copy.deepcopy(model)
+        wrapped = wrap_blocks(
+            model, {MLP}, sharding_strategy=strategy, use_orig_params=use_orig_params
+        )
+        root = wrapped._handle
+        self.assertEqual(len(root.fqns), len(set(root.fqns)))
+        if use_orig_params:  # one shard view, shown under both names
+            self.assertIs(model.head.weight, model.proj.weight)
+        check_train_parity(self, ref_model, wrapped, make_inputs, num_steps=2)
+
+
+class TiedStack(nn.Module):
+    """``proj`` and ``head`` share one weight around two MLP blocks: one parameter that the
+    root instance flattens once and uses twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.layers = nn.ModuleList([MLP(DIM, dim_multiplier=3), MLP(DIM)])
+        self.head = nn.Linear(DIM, DIM, bias=False)
+        self.head.weight = self.proj.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).tanh()
