@@ -27,6 +27,7 @@ flat parameter of its instance, the analytic minimum.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import pytest
@@ -35,10 +36,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
 
-from reffsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
+from reffsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from reffsdp.core.comms import Collective
 from reffsdp.testing.build import wrap_blocks
 from reffsdp.testing.comm_counter import CommCounter
@@ -70,15 +72,19 @@ def flat_numels(shard_size: int) -> list[int]:
     return [-(-n // shard_size) * shard_size for n in numels]
 
 
-def run_iterations(wrapped, rank: int, steps: int = 2) -> list[tuple[list, list]]:
-    """Per iteration, the (forward, backward) collective sequences."""
+def run_iterations(wrapped, rank: int, no_sync: bool = False) -> list[tuple[list, list]]:
+    """Per iteration, the (forward, backward) collective sequences: two iterations, or with
+    ``no_sync`` three microbatches of which the first two run inside ``no_sync()``."""
     phases = []
+    steps = 3 if no_sync else 2
     for step in range(steps):
         x = torch.randn(2, DIM, generator=torch.Generator().manual_seed(10 * step + rank))
-        with CommCounter() as forward:
-            loss = wrapped(x).sum()
-        with CommCounter() as backward:
-            loss.backward()
+        inside = no_sync and step < steps - 1
+        with wrapped.no_sync() if inside else contextlib.nullcontext():
+            with CommCounter() as forward:
+                loss = wrapped(x).sum()
+            with CommCounter() as backward:
+                loss.backward()
         phases.append((forward.get_comm_sequence(), backward.get_comm_sequence()))
     return phases
 
@@ -91,8 +97,15 @@ def counts_and_bytes(sequence: list) -> tuple[Counter, Counter]:
     return counts, nbytes
 
 
+def bf16_policy(policy_cls, reduce_fp32: bool):
+    reduce_dtype = torch.float32 if reduce_fp32 else None
+    return policy_cls(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+
+
 class WrapperCommChecks:
-    def torch_phases(self, strategy, backward_prefetch, forward_prefetch, mesh_kwargs):
+    def torch_phases(
+        self, strategy, backward_prefetch, forward_prefetch, mesh_kwargs, bf16=None, no_sync=False
+    ):
         torch_strategy = TorchShardingStrategy[strategy.name]
         torch_prefetch = (
             TorchBackwardPrefetch[backward_prefetch.name] if backward_prefetch else None
@@ -104,24 +117,37 @@ class WrapperCommChecks:
             backward_prefetch=torch_prefetch,
             forward_prefetch=forward_prefetch,
             device_id=torch.device("cpu"),
+            mixed_precision=bf16_policy(TorchMixedPrecision, bf16) if bf16 is not None else None,
             **mesh_kwargs,
         )
-        return run_iterations(wrapped, self.rank)
+        return run_iterations(wrapped, self.rank, no_sync)
 
-    def ref_phases(self, strategy, backward_prefetch, forward_prefetch, mesh_kwargs):
+    def ref_phases(
+        self, strategy, backward_prefetch, forward_prefetch, mesh_kwargs, bf16=None, no_sync=False
+    ):
         wrapped = wrap_blocks(
             model(),
             {MLP},
             sharding_strategy=strategy,
             backward_prefetch=backward_prefetch,
             forward_prefetch=forward_prefetch,
+            mixed_precision=bf16_policy(MixedPrecision, bf16) if bf16 is not None else None,
             **mesh_kwargs,
         )
         self.assertEqual(len(FullyShardedDataParallel.fsdp_modules(wrapped)), 4)
-        return run_iterations(wrapped, self.rank)
+        return run_iterations(wrapped, self.rank, no_sync)
 
-    def check_like_torch(self, strategy, backward_prefetch, forward_prefetch, mesh_kwargs=None):
-        args = (strategy, backward_prefetch, forward_prefetch, mesh_kwargs or {})
+    def check_like_torch(
+        self,
+        strategy,
+        backward_prefetch,
+        forward_prefetch,
+        mesh_kwargs=None,
+        bf16=None,
+        no_sync=False,
+    ):
+        """``bf16``: None for fp32, else bf16 compute reducing in fp32 (True) or bf16."""
+        args = (strategy, backward_prefetch, forward_prefetch, mesh_kwargs or {}, bf16, no_sync)
         expected, actual = self.torch_phases(*args), self.ref_phases(*args)
         # See [Note: forward prefetch and backward order] and [Note: hybrid all-reduce order].
         same_order = not forward_prefetch and strategy not in (
@@ -153,6 +179,18 @@ class TestWrapperCommCounts(WrapperCommChecks, FSDPTestMultiThread):
                     BackwardPrefetch.BACKWARD_POST,
                 ],
                 "forward_prefetch": [False, True],
+            },
+            self.check_like_torch,
+        )
+
+    def test_like_torch_with_mixed_precision_and_no_sync(self):
+        self.run_subtests(
+            {
+                "strategy": [S.FULL_SHARD, S.SHARD_GRAD_OP, S.NO_SHARD],
+                "backward_prefetch": [BackwardPrefetch.BACKWARD_PRE],
+                "forward_prefetch": [False],
+                "bf16": [None, False, True],
+                "no_sync": [False, True],
             },
             self.check_like_torch,
         )
