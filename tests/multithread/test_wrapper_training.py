@@ -150,6 +150,42 @@ class TestWrapperTraining(WrapperTrainChecks, FSDPTestMultiThread):
             self.check_no_sync,
         )
 
+    def test_original_parameters_between_forward_and_backward(self):
+        """``use_orig_params=True``: after forward, FULL_SHARD shows 1-D shard parameters,
+        the root included (it keeps its gathered buffer, not its views); SHARD_GRAD_OP keeps
+        the full-size views it computed with. As torch does."""
+        for strategy, root_shape in ((S.FULL_SHARD, None), (S.SHARD_GRAD_OP, (DIM, DIM))):
+            model = blocks_model()
+            wrapped = wrap_blocks(model, {MLP}, sharding_strategy=strategy, use_orig_params=True)
+            loss = wrapped(make_inputs(0, self.rank)).sum()
+            if root_shape is None:
+                self.assertIsInstance(model.proj.weight, nn.Parameter)
+                self.assertEqual(model.proj.weight.dim(), 1)
+                self.assertEqual(model.layers[0].in_proj.weight.dim(), 1)
+            else:
+                self.assertEqual(tuple(model.proj.weight.shape), root_shape)
+                self.assertEqual(model.layers[0].in_proj.weight.dim(), 2)
+            loss.backward()
+            self.assertEqual(model.proj.weight.dim(), 1)
+            self.assertEqual(model.proj.weight.grad.shape, model.proj.weight.shape)
+
+    def test_accumulate_with_sync(self):
+        """Two synced backwards per step add their reduced gradients (no ``no_sync``)."""
+        self.run_subtests(
+            {
+                "strategy": [S.FULL_SHARD, S.SHARD_GRAD_OP, S.NO_SHARD],
+                "use_orig_params": [False, True],
+            },
+            self._check_accumulate_with_sync,
+        )
+
+    def _check_accumulate_with_sync(self, strategy, use_orig_params):
+        ref_model, model = reference_and_model(blocks_model())
+        wrapped = wrap_blocks(
+            model, {MLP}, sharding_strategy=strategy, use_orig_params=use_orig_params
+        )
+        check_train_parity(self, ref_model, wrapped, make_inputs, num_steps=2, num_microbatches=2)
+
 
 class TestWrapperHybridTraining(WrapperTrainChecks, FSDPTestMultiThread):
     """HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on 2 x 2 ranks: shard within {0, 1} and {2, 3},
