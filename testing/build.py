@@ -1,4 +1,4 @@
-"""Build the two sides of a ``fully_shard`` test: a reference copy and the sharded model.
+"""Build the two sides of a sharding test: a reference copy and the sharded model.
 
 The usual shape of a test::
 
@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from reffsdp import FSDPModule, fully_shard
+from reffsdp import FSDPModule, FullyShardedDataParallel, fully_shard
+from reffsdp.wrap import ModuleWrapPolicy
 
 from .parity import broadcast_params_from_rank0
 
@@ -50,3 +51,16 @@ def shard_bottom_up(model: _Module, blocks: Iterable[nn.Module], **fsdp_kwargs: 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     """Every module of ``model`` (itself included) that ``fully_shard`` was applied to."""
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def wrap_blocks(
+    model: nn.Module, block_classes: Iterable[type[nn.Module]], **wrapper_kwargs: Any
+) -> FullyShardedDataParallel:
+    """The wrapper API's nested wrapping: every instance of ``block_classes`` in its own
+    ``FullyShardedDataParallel``, the rest of ``model`` in the root one.
+
+    ``wrapper_kwargs`` go to the root and, copied, to every block
+    (``auto_wrap_policy=ModuleWrapPolicy(block_classes)``).
+    """
+    policy = ModuleWrapPolicy(set(block_classes))
+    return FullyShardedDataParallel(model, auto_wrap_policy=policy, **wrapper_kwargs)

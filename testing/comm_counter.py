@@ -173,10 +173,12 @@ class CommCounter(TorchDispatchMode):
         self._packets = _packet_table()
         self._counts: Counter[Collective] = Counter()
         self._bytes: Counter[Collective] = Counter()
+        self._sequence: list[tuple[Collective, int]] = []
 
     def __enter__(self) -> CommCounter:
         self._counts.clear()
         self._bytes.clear()
+        self._sequence.clear()
         super().__enter__()
         _this_thread.open.append(self)
         return self
@@ -199,8 +201,13 @@ class CommCounter(TorchDispatchMode):
         """All collectives of every kind, barriers included."""
         return sum(self._counts.values())
 
+    def get_comm_sequence(self) -> list[tuple[Collective, int]]:
+        """``(kind, nbytes)`` of every collective, in the order this rank issued them."""
+        return list(self._sequence)
+
     def _add(self, kind: Collective, nbytes: int) -> None:
         self._counts[kind] += 1
+        self._sequence.append((kind, nbytes))
         if nbytes:  # keep byte-free kinds (barriers) out, so results compare to plain dicts
             self._bytes[kind] += nbytes
 

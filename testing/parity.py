@@ -141,7 +141,9 @@ def check_train_parity(
     This function wraps ``ref_model`` itself in ``DistributedDataParallel`` (with
     ``ddp_kwargs``, e.g. ``find_unused_parameters=True``) and trains it, so the caller can
     inspect it afterwards. Parameters may be DTensors (compared shard by shard) or plain
-    tensors (compared whole).
+    tensors (compared whole); a model wrapped with ``reffsdp.FullyShardedDataParallel`` is
+    compared through its original parameters and gradients, rebuilt whole from the flat
+    shards (see :func:`unflattened_params`).
 
     ``make_inputs(iteration, rank)`` returns one forward's inputs (a tensor, a tuple of
     positional arguments or a dict of keyword arguments); ``iteration`` counts forwards from
@@ -232,6 +234,8 @@ class LowPrecisionCompute(nn.Module):
     input cast to ``param_dtype`` (output cast to ``output_dtype`` when given), so autograd
     returns the low-precision gradient cast to fp32, which DDP then averages in fp32.
     Pair it with :class:`Passthrough` around the sharded model so parameter names match.
+    With ``buffer_dtype`` floating-point buffers are cast too (the wrapper API's
+    ``MixedPrecision.buffer_dtype``).
     """
 
     def __init__(
@@ -239,14 +243,20 @@ class LowPrecisionCompute(nn.Module):
         module: nn.Module,
         param_dtype: torch.dtype,
         output_dtype: torch.dtype | None = None,
+        buffer_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.module = module
         self.param_dtype = param_dtype
         self.output_dtype = output_dtype
+        self.buffer_dtype = buffer_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = {name: p.to(self.param_dtype) for name, p in self.module.named_parameters()}
+        if self.buffer_dtype is not None:
+            for name, buffer in self.module.named_buffers():
+                if buffer.is_floating_point():
+                    params[name] = buffer.to(self.buffer_dtype)
         out = torch.func.functional_call(self.module, params, (x.to(self.param_dtype),))
         return out if self.output_dtype is None else out.to(self.output_dtype)
 
@@ -365,6 +375,9 @@ def _param_problems(
     atol: float | None,
 ) -> list[str]:
     """One line per parameter or gradient of ``model`` that differs from ``ref_model``."""
+    unflattened = unflattened_params(model, prefixes_to_ignore)
+    if unflattened is not None:
+        return _unflattened_problems(ref_model, unflattened, rtol=rtol, atol=atol)
     ref_named = list(ref_model.named_parameters())
     named = list(model.named_parameters())
     ref_names = [name for name, _ in ref_named]
@@ -536,3 +549,135 @@ def _strip_prefixes(name: str, prefixes: Sequence[str]) -> str:
 
 def _none_or_set(tensor: torch.Tensor | None) -> str:
     return "None" if tensor is None else "set"
+
+
+# -- the wrapper API: original parameters rebuilt from flat shards -------------------------
+
+_WRAPPED_MODULE = "_fsdp_wrapped_module."
+
+
+def unflattened_params(
+    model: nn.Module, prefixes_to_ignore: Sequence[str] = ()
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """``{name: (full parameter, full gradient or None)}`` of a model wrapped with
+    ``reffsdp.FullyShardedDataParallel``, or ``None`` if it holds no wrapper instance.
+
+    [Note: unflattening for a check]
+    Each instance's flat parameter is sharded over its shard group (one rank for NO_SHARD,
+    the intra-replica group for the hybrid strategies). Its local shards, and the flat
+    gradient shards (``FlatParameter.grad``, or with ``use_orig_params=True`` the sharded
+    1-D gradient of each original parameter put back at its offset in the shard), are
+    all-gathered with a plain ``dist.all_gather`` (not through reffsdp's collectives, so a
+    bug planted there does not reach the checker) and cut into the original parameters by
+    the flat layout. A gradient is ``None`` when it is ``None`` on every rank of the shard
+    group. Names are the original ones: ``_fsdp_wrapped_module.`` and each of
+    ``prefixes_to_ignore`` are removed. Parameters the wrapper does not flatten (ignored
+    ones) are taken as they are. Every rank must call this together.
+    """
+    from reffsdp import FlatParameter, FullyShardedDataParallel
+
+    instances = [
+        (path, module)
+        for path, module in model.named_modules()
+        if isinstance(module, FullyShardedDataParallel)
+    ]
+    if not instances:
+        return None
+    prefixes = (_WRAPPED_MODULE, *prefixes_to_ignore)
+    entries: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    flattened: set[int] = set()
+    for path, instance in instances:
+        handle = instance._handle
+        if handle is None:
+            continue
+        flattened.update(id(p) for p in handle.orig_params)
+        prefix = f"{path}.{_WRAPPED_MODULE}" if path else _WRAPPED_MODULE
+        group = instance._mesh_info.shard_group
+        for fqn, param, grad in _unflatten_handle(handle, group):
+            entries[_strip_prefixes(prefix + fqn, prefixes)] = (param, grad)
+    for name, param in model.named_parameters():
+        if isinstance(param, FlatParameter) or id(param) in flattened:
+            continue
+        entries.setdefault(_strip_prefixes(name, prefixes), (param, param.grad))
+    return entries
+
+
+def _unflatten_handle(
+    handle: Any, group: dist.ProcessGroup | None
+) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    layout = handle.layout
+    shard = handle.local_shard.detach()
+    grad_shard, has_grad = _flat_grad_shard(handle)
+    flags = torch.tensor(has_grad, dtype=torch.float32, device=_flag_device())
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    flat = _gather_flat(shard, group)
+    flat_grad = _gather_flat(grad_shard, group)
+    found = []
+    for i, fqn in enumerate(handle.fqns):
+        start, numel, shape = layout.param_offsets[i], layout.numels[i], layout.shapes[i]
+        param = flat.narrow(0, start, numel).view(shape)
+        grad = flat_grad.narrow(0, start, numel).view(shape) if flags[i].item() else None
+        found.append((fqn, param, grad))
+    return found
+
+
+def _flat_grad_shard(handle: Any) -> tuple[torch.Tensor, list[bool]]:
+    """This rank's flat gradient shard (zeros where there is none) and, per parameter,
+    whether this rank holds a gradient for it."""
+    num_params = len(handle.fqns)
+    shard = handle.local_shard.detach()
+    if not handle.use_orig_params:
+        grad = handle.flat_param.grad
+        if grad is None:
+            return torch.zeros_like(shard), [False] * num_params
+        return grad.detach().to(shard.device), [True] * num_params
+    flat_grad = torch.zeros_like(shard)
+    has_grad = []
+    for param, piece in zip(handle.orig_params, handle.rank_shard.params):
+        has_grad.append(param.grad is not None)
+        if param.grad is not None and piece.in_shard and piece.numel_in_shard:
+            start = piece.offset_in_shard
+            flat_grad[start : start + piece.numel_in_shard].copy_(param.grad.reshape(-1))
+    return flat_grad, has_grad
+
+
+def _gather_flat(shard: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if group is None or dist.get_world_size(group) == 1:
+        return shard.clone()
+    chunks = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(chunks, shard.contiguous(), group=group)
+    return torch.cat(chunks)
+
+
+def _unflattened_problems(
+    ref_model: nn.Module,
+    unflattened: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+    *,
+    rtol: float | None,
+    atol: float | None,
+) -> list[str]:
+    ref_named = dict(ref_model.named_parameters())
+    if sorted(unflattened) != sorted(ref_named):
+        return [
+            f"parameter names differ: {sorted(set(unflattened) - set(ref_named))} only in the "
+            f"sharded model, {sorted(set(ref_named) - set(unflattened))} only in the reference"
+        ]
+    problems = []
+    where = f"on rank {dist.get_rank()}"
+    for name, ref_param in ref_named.items():
+        param, grad = unflattened[name]
+        mismatch = _mismatch(param.detach(), ref_param.detach(), rtol, atol)
+        if mismatch:
+            problems.append(f"param {name!r} {where}: {mismatch}")
+        if ref_param.grad is None or grad is None:
+            if (ref_param.grad is None) != (grad is None):
+                problems.append(
+                    f"grad of {name!r} {where}: {_none_or_set(grad)} but the reference's is "
+                    f"{_none_or_set(ref_param.grad)}"
+                )
+            continue
+        mismatch = _mismatch(grad.detach(), ref_param.grad.detach(), rtol, atol)
+        if mismatch:
+            problems.append(f"grad of {name!r} {where}: {mismatch}")
+    return problems

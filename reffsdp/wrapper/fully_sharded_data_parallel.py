@@ -113,6 +113,8 @@ class FullyShardedDataParallel(nn.Module):
                 forward_prefetch=forward_prefetch,
                 limit_all_gathers=limit_all_gathers,
                 use_orig_params=use_orig_params,
+                # Ignored parameters stay ignored inside the children that hold them.
+                ignored_states=ignored_params or None,
                 device_mesh=device_mesh,
             )
             auto_wrap_children(
@@ -305,6 +307,10 @@ class FullyShardedDataParallel(nn.Module):
         if self._group is not None:
             backward_follows = torch.is_grad_enabled()
             self._group.post_forward(backward_follows=backward_follows)
+            if self._use_orig_params and self.sharding_strategy in _RESHARD_AFTER_FORWARD:
+                # The root keeps its gathered buffer for backward, but shows shard views
+                # like every other FULL_SHARD / HYBRID_SHARD instance (as torch does).
+                self._handle.show_sharded()
             if backward_follows:
                 ctx.post_forward_order.append(self)
         output = register_pre_backward(self._pre_backward, output, owner=repr(self._group))
@@ -355,8 +361,14 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def _prefetch(target: FullyShardedDataParallel | None) -> None:
-        if target is not None and target._group is not None:
-            target._group.unshard()
+        if target is None or target._group is None:
+            return
+        if target._group.training_state in (
+            TrainingState.PRE_BACKWARD,
+            TrainingState.POST_BACKWARD,
+        ):
+            return  # its backward already ran in this pass: gathering again would be waste
+        target._group.unshard()
 
     # -- backward -----------------------------------------------------------------------
 
@@ -376,9 +388,11 @@ class FullyShardedDataParallel(nn.Module):
     def _post_backward(self) -> None:
         group = self._group
         assert group is not None
-        group.post_backward()
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            # Before this unit's reduction, as torch orders them: the next unit's gather is
+            # not queued behind the reduce-scatter.
             self._prefetch(self._previous_in_forward())
+        group.post_backward()
 
     def _final_callback(self) -> None:
         ctx = self._root_ctx

@@ -25,7 +25,7 @@ from reffsdp.testing.build import shard_bottom_up
 from reffsdp.testing.models import MLPStack, init_deterministic
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_train_parity
-from reffsdp.testing.patching import patch_all_gather, patch_reduce_scatter
+from reffsdp.testing.patching import patch_all_gather, patch_all_reduce, patch_reduce_scatter
 
 pytestmark = pytest.mark.multithread
 
@@ -141,3 +141,87 @@ class TestPlantedBugs(FSDPTestMultiThread):
             self._assert_caught(lambda: patch_all_gather(all_gather_missing_peer_copy), LOSSES)
         else:
             self._assert_caught(lambda: patch_all_gather(passthrough_all_gather), LOSSES)
+
+
+# -- the wrapper API (reffsdp.FullyShardedDataParallel) ------------------------------------
+
+
+def all_reduce_scaled(tensor, op=None, group=None, async_op=False):
+    """Wrong divide factor in NO_SHARD's all-reduce: the reduced gradient comes back doubled."""
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    _finished(work)
+    tensor.mul_(2)
+    return work
+
+
+def all_reduce_skipped(tensor, op=None, group=None, async_op=False):
+    """No all-reduce at all: each rank keeps its own gradient."""
+
+
+@contextlib.contextmanager
+def wrong_wrapper_divide_factor(model) -> Iterator[None]:
+    """Every instance's flat reduce divides by 1 (a sum) instead of by the world size."""
+    from reffsdp import FullyShardedDataParallel
+
+    model.check_is_root()  # lazy init first: it would not undo the setting, but be explicit
+    groups = [m._group for m in FullyShardedDataParallel.fsdp_modules(model) if m._group]
+    for group in groups:
+        group.configure(gradient_divide_factor=1.0)
+    try:
+        yield
+    finally:
+        for group in groups:
+            group.configure(gradient_divide_factor=None)
+
+
+class TestPlantedBugsWrapper(FSDPTestMultiThread):
+    """The same proof for the wrapper API: its parity check rebuilds full parameters and
+    gradients from the flat shards, and must catch a broken flat reduction."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _train(self, patch: Callable[[object], object] | None, strategy=None) -> None:
+        from reffsdp import ShardingStrategy
+        from reffsdp.testing.build import wrap_blocks
+        from reffsdp.testing.models import MLP
+
+        model = init_deterministic(MLPStack(DIM))
+        ref_model = copy.deepcopy(model)
+        strategy = strategy or ShardingStrategy.FULL_SHARD
+        wrapped = wrap_blocks(model, {MLP}, sharding_strategy=strategy)
+        context = patch(wrapped) if patch is not None else contextlib.nullcontext()
+        with context:
+            check_train_parity(self, ref_model, wrapped, _inputs, num_steps=2)
+
+    def _assert_caught(self, patch: Callable[[object], object], stage: str, **kwargs) -> None:
+        with self.assertRaises(AssertionError) as caught:
+            self._train(patch, **kwargs)
+        self.assertIn(f"check_train_parity, {stage}", str(caught.exception))
+
+    def test_unpatched_and_passthrough_runs_pass(self):
+        self._train(None)
+        self._train(lambda _: passthrough_both())
+
+    def test_wrong_divide_factor_is_caught(self):
+        from reffsdp import ShardingStrategy
+
+        self._assert_caught(wrong_wrapper_divide_factor, GRADS)
+        self._assert_caught(lambda _: patch_reduce_scatter(reduce_scatter_scaled), GRADS)
+        self._assert_caught(
+            lambda _: patch_all_reduce(all_reduce_scaled),
+            GRADS,
+            strategy=ShardingStrategy.NO_SHARD,
+        )
+
+    def test_skipped_reduction_is_caught(self):
+        from reffsdp import ShardingStrategy
+
+        self._assert_caught(lambda _: patch_reduce_scatter(reduce_scatter_skipped_local), GRADS)
+        self._assert_caught(lambda _: patch_reduce_scatter(reduce_scatter_skipped_zeros), GRADS)
+        self._assert_caught(
+            lambda _: patch_all_reduce(all_reduce_skipped),
+            GRADS,
+            strategy=ShardingStrategy.NO_SHARD,
+        )

@@ -1,0 +1,375 @@
+"""``reffsdp.FullyShardedDataParallel`` (the wrapper API) trains exactly like DDP.
+
+Every test wraps a small stack nested (``auto_wrap_policy=ModuleWrapPolicy({MLP})``: each
+block is an instance, the root holds ``proj``), copies it first as the reference and runs
+:func:`check_train_parity`, which rebuilds each original parameter and gradient from the
+flat shards (see [Note: unflattening for a check] in ``reffsdp.testing.parity``) and compares
+them with a DDP copy at every step.
+
+Mixed precision compares against ``LowPrecisionCompute`` (see [Note: a fair mixed-precision
+reference] in ``test_fully_shard_mixed_precision.py``), with ``reduce_dtype=float32`` so
+both sides average in fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from reffsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+from reffsdp.core.comms import Collective
+from reffsdp.testing.build import reference_and_model, wrap_blocks
+from reffsdp.testing.comm_counter import CommCounter
+from reffsdp.testing.inputs import random_inputs
+from reffsdp.testing.models import MLP, MLPBlocks, init_deterministic
+from reffsdp.testing.multithread import FSDPTestMultiThread
+from reffsdp.testing.parity import (
+    LowPrecisionCompute,
+    Passthrough,
+    check_train_parity,
+    unflattened_params,
+)
+
+pytestmark = pytest.mark.multithread
+
+DIM = 5  # 3 * 5 and 4 * 5 rows: flat sizes that need padding on 2 and 4 ranks
+make_inputs = random_inputs(3, DIM)
+
+S = ShardingStrategy
+AG, RS, AR = Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_REDUCE
+FP32, BF16, FP16, OFFLOAD = "fp32", "bf16", "fp16", "offload"
+
+
+def blocks_model() -> MLPBlocks:
+    """Two MLP blocks with buffers under a root with ``proj``; ReLUs kept alive."""
+    return init_deterministic(MLPBlocks(DIM, with_buffer=True))
+
+
+def precision_kwargs(precision: str) -> dict:
+    if precision == OFFLOAD:
+        return {"cpu_offload": CPUOffload(offload_params=True)}
+    if precision in (BF16, FP16):
+        dtype = torch.bfloat16 if precision == BF16 else torch.float16
+        policy = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
+        return {"mixed_precision": policy}
+    return {}
+
+
+class WrapperTrainChecks:
+    """Test bodies the gloo suite runs too (``tests/multiprocess/test_wrapper_gloo.py``)."""
+
+    def check_parity(self, strategy, precision, use_orig_params, mesh_kwargs=None, **kwargs):
+        ref_model, model = reference_and_model(blocks_model())
+        wrapper_kwargs = precision_kwargs(precision)
+        wrapped = wrap_blocks(
+            model,
+            {MLP},
+            sharding_strategy=strategy,
+            use_orig_params=use_orig_params,
+            **(mesh_kwargs or {}),
+            **wrapper_kwargs,
+            **kwargs,
+        )
+        instances = FullyShardedDataParallel.fsdp_modules(wrapped)
+        self.assertEqual(len(instances), 3)
+        if "mixed_precision" in wrapper_kwargs:
+            dtype = wrapper_kwargs["mixed_precision"].param_dtype
+            ref_model = LowPrecisionCompute(ref_model, dtype, buffer_dtype=dtype)
+            wrapped = Passthrough(wrapped)
+        check_train_parity(self, ref_model, wrapped, make_inputs, num_steps=2)
+        for instance in instances:  # the optimizer only ever saw fp32 shards and grads
+            for param in instance.parameters(recurse=False):
+                self.assertEqual(param.dtype, torch.float32)
+
+    def check_no_sync(self, strategy, use_orig_params, num_microbatches=3):
+        ref_model, model = reference_and_model(blocks_model())
+        wrapped = wrap_blocks(
+            model, {MLP}, sharding_strategy=strategy, use_orig_params=use_orig_params
+        )
+        counts = []
+
+        def counted_no_sync(module):
+            counter = CommCounter()
+            counts.append(counter)
+            stack = contextlib.ExitStack()
+            stack.enter_context(module.no_sync())
+            stack.enter_context(counter)
+            return stack
+
+        check_train_parity(
+            self,
+            ref_model,
+            wrapped,
+            make_inputs,
+            num_steps=2,
+            num_microbatches=num_microbatches,
+            no_sync=counted_no_sync,
+        )
+        self.assertEqual(len(counts), 2 * (num_microbatches - 1))
+        reductions = [c.get_comm_counts()[kind] for c in counts for kind in (RS, AR)]
+        self.assertEqual(sum(reductions), 0, "a gradient reduction inside no_sync")
+        # Per microbatch inside no_sync: FULL_SHARD gathers every block in forward and again
+        # in backward; SHARD_GRAD_OP keeps what it gathered until the synced backward;
+        # NO_SHARD never gathers.
+        first, later = {
+            S.FULL_SHARD: (5, 5),
+            S.SHARD_GRAD_OP: (3, 0),
+            S.NO_SHARD: (0, 0),
+        }[strategy]
+        expected = ([first] + [later] * (num_microbatches - 2)) * 2
+        self.assertEqual([c.get_comm_counts()[AG] for c in counts], expected)
+
+
+class TestWrapperTraining(WrapperTrainChecks, FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_parity_per_strategy_and_precision(self):
+        self.run_subtests(
+            {
+                "strategy": [S.FULL_SHARD, S.SHARD_GRAD_OP, S.NO_SHARD],
+                "precision": [FP32, BF16, FP16, OFFLOAD],
+                "use_orig_params": [False, True],
+            },
+            self.check_parity,
+        )
+
+    def test_no_sync_equals_one_big_batch(self):
+        self.run_subtests(
+            {
+                "strategy": [S.FULL_SHARD, S.SHARD_GRAD_OP, S.NO_SHARD],
+                "use_orig_params": [False, True],
+            },
+            self.check_no_sync,
+        )
+
+    def test_original_parameters_between_forward_and_backward(self):
+        """``use_orig_params=True``: after forward, FULL_SHARD shows 1-D shard parameters,
+        the root included (it keeps its gathered buffer, not its views); SHARD_GRAD_OP keeps
+        the full-size views it computed with. As torch does."""
+        for strategy, root_shape in ((S.FULL_SHARD, None), (S.SHARD_GRAD_OP, (DIM, DIM))):
+            model = blocks_model()
+            wrapped = wrap_blocks(model, {MLP}, sharding_strategy=strategy, use_orig_params=True)
+            loss = wrapped(make_inputs(0, self.rank)).sum()
+            if root_shape is None:
+                self.assertIsInstance(model.proj.weight, nn.Parameter)
+                self.assertEqual(model.proj.weight.dim(), 1)
+                self.assertEqual(model.layers[0].in_proj.weight.dim(), 1)
+            else:
+                self.assertEqual(tuple(model.proj.weight.shape), root_shape)
+                self.assertEqual(model.layers[0].in_proj.weight.dim(), 2)
+            loss.backward()
+            self.assertEqual(model.proj.weight.dim(), 1)
+            self.assertEqual(model.proj.weight.grad.shape, model.proj.weight.shape)
+
+    def test_accumulate_with_sync(self):
+        """Two synced backwards per step add their reduced gradients (no ``no_sync``)."""
+        self.run_subtests(
+            {
+                "strategy": [S.FULL_SHARD, S.SHARD_GRAD_OP, S.NO_SHARD],
+                "use_orig_params": [False, True],
+            },
+            self._check_accumulate_with_sync,
+        )
+
+    def _check_accumulate_with_sync(self, strategy, use_orig_params):
+        ref_model, model = reference_and_model(blocks_model())
+        wrapped = wrap_blocks(
+            model, {MLP}, sharding_strategy=strategy, use_orig_params=use_orig_params
+        )
+        check_train_parity(self, ref_model, wrapped, make_inputs, num_steps=2, num_microbatches=2)
+
+
+class TestWrapperHybridTraining(WrapperTrainChecks, FSDPTestMultiThread):
+    """HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on 2 x 2 ranks: shard within {0, 1} and {2, 3},
+    all-reduce across {0, 2} and {1, 3}."""
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def hybrid_kwargs(self, how: str) -> dict:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        if how == "device_mesh":
+            return {"device_mesh": mesh}
+        return {"process_group": (mesh.get_group("shard"), mesh.get_group("replicate"))}
+
+    def test_parity_per_strategy_and_precision(self):
+        self.run_subtests(
+            {
+                "strategy": [S.HYBRID_SHARD, S._HYBRID_SHARD_ZERO2],
+                "precision": [FP32, BF16, OFFLOAD],
+                "use_orig_params": [False, True],
+                "how": ["device_mesh", "process_groups"],
+            },
+            lambda how, **kwargs: self.check_parity(mesh_kwargs=self.hybrid_kwargs(how), **kwargs),
+        )
+
+
+def _seeded_init(module: nn.Module) -> None:
+    """A ``param_init_fn``: real storage, then values that depend only on the module's
+    shapes (the same on every rank without a collective)."""
+    module.to_empty(device="cpu", recurse=False)
+    generator = torch.Generator().manual_seed(sum(t.numel() for t in module.parameters(False)))
+    with torch.no_grad():
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.5 + 0.1)
+
+
+def _reference_from(wrapped: nn.Module) -> MLPBlocks:
+    """An unsharded ``MLPBlocks`` holding what ``wrapped`` holds (parameters and buffers)."""
+    ref_model = MLPBlocks(DIM, with_buffer=True)
+    params = {name: p.detach().clone() for name, (p, _) in unflattened_params(wrapped).items()}
+    buffers = {
+        name.replace("_fsdp_wrapped_module.", ""): b.detach().clone()
+        for name, b in wrapped.named_buffers()
+    }
+    ref_model.load_state_dict({**params, **buffers})
+    return ref_model
+
+
+class TestWrapperFeatures(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_meta_device_init_with_param_init_fn(self):
+        with torch.device("meta"):
+            model = MLPBlocks(DIM, with_buffer=True)
+        ref_model = MLPBlocks(DIM, with_buffer=True)
+        for module in ref_model.modules():
+            _seeded_init(module)
+        wrapped = wrap_blocks(model, {MLP}, param_init_fn=_seeded_init, use_orig_params=True)
+        self.assertFalse(any(t.is_meta for t in [*wrapped.parameters(), *wrapped.buffers()]))
+        check_train_parity(self, ref_model, wrapped, make_inputs, num_steps=2)
+
+    def test_meta_device_init_with_reset_parameters_and_sync_module_states(self):
+        with torch.device("meta"):
+            model = MLPBlocks(DIM, with_buffer=True)
+        # Each rank draws its own values (the ranks share one RNG); rank 0's win.
+        wrapped = wrap_blocks(model, {MLP}, sync_module_states=True)
+        self.assertFalse(any(t.is_meta for t in [*wrapped.parameters(), *wrapped.buffers()]))
+        full = unflattened_params(wrapped)
+        for name, (param, _) in full.items():
+            self.assertTrue(param.isfinite().all(), name)
+            self.assertGreater(param.abs().sum().item(), 0.0, name)  # reset, not left empty
+        check_train_parity(self, _reference_from(wrapped), wrapped, make_inputs, num_steps=2)
+
+    def test_sync_module_states_takes_rank0s_params_and_buffers(self):
+        self.run_subtests(
+            {"strategy": [S.FULL_SHARD, S.NO_SHARD], "use_orig_params": [False, True]},
+            self._check_sync_module_states,
+        )
+
+    def _check_sync_module_states(self, strategy, use_orig_params):
+        model = init_deterministic(MLPBlocks(DIM, with_buffer=True), seed=self.rank)
+        with torch.no_grad():
+            for buffer in model.buffers():
+                buffer.fill_(float(self.rank + 1))
+        rank0 = copy.deepcopy(model)
+        for tensor in [*rank0.parameters(), *rank0.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+        wrapped = wrap_blocks(
+            model,
+            {MLP},
+            sharding_strategy=strategy,
+            use_orig_params=use_orig_params,
+            sync_module_states=True,
+        )
+        full = unflattened_params(wrapped)
+        for name, param in rank0.named_parameters():
+            torch.testing.assert_close(full[name][0], param, rtol=0, atol=0, msg=name)
+        buffers = {n.replace("_fsdp_wrapped_module.", ""): b for n, b in wrapped.named_buffers()}
+        for name, buffer in rank0.named_buffers():
+            torch.testing.assert_close(buffers[name], buffer, rtol=0, atol=0, msg=name)
+
+    def test_ignored_modules_and_states_stay_local(self):
+        self.run_subtests(
+            {"how": ["ignored_modules", "ignored_states"], "use_orig_params": [False, True]},
+            self._check_ignored,
+        )
+
+    def _check_ignored(self, how, use_orig_params):
+        _, model = reference_and_model(blocks_model())
+        local_model = copy.deepcopy(model)  # no data parallelism: what the block keeps
+        ignored = list(model.layers[1].parameters())
+        kwargs = (
+            {"ignored_modules": [model.layers[1]]}
+            if how == "ignored_modules"
+            else {"ignored_states": ignored}
+        )
+        wrapped = wrap_blocks(model, {MLP}, use_orig_params=use_orig_params, **kwargs)
+        handles = [i._handle for i in FullyShardedDataParallel.fsdp_modules(wrapped) if i._handle]
+        self.assertEqual(len(handles), 2)  # the root's proj, block 0; block 1 is not flattened
+        self.assertFalse(any(f.startswith("layers.1.") for h in handles for f in h.fqns))
+        self.assertEqual(len(ignored), 4)
+        for param in ignored:  # still the block's own full-size parameters
+            self.assertIn(param, set(wrapped.parameters()))
+        x = make_inputs(0, self.rank)
+        with CommCounter() as counter:
+            wrapped(x).sum().backward()
+        local_model(x).sum().backward()
+        flat_numel = sum(h.layout.padded_numel for h in handles)
+        self.assertEqual(counter.get_comm_bytes()[RS], 4 * flat_numel)  # never reduced
+        for (name, ref_param), param in zip(local_model.layers[1].named_parameters(), ignored):
+            torch.testing.assert_close(param.grad, ref_param.grad, msg=name)  # not averaged
+        grads = [torch.empty_like(ignored[0].grad) for _ in range(self.world_size)]
+        dist.all_gather(grads, ignored[0].grad)
+        self.assertFalse(torch.equal(grads[0], grads[1]))  # the ranks' inputs differ
+
+    def test_frozen_and_trainable_mix(self):
+        ref_model, model = reference_and_model(blocks_model())
+        for module in (ref_model, model):
+            module.layers[0].in_proj.requires_grad_(False)
+            module.proj.bias.requires_grad_(False)
+        wrapped = wrap_blocks(copy.deepcopy(model), {MLP}, use_orig_params=True)
+        check_train_parity(self, ref_model, wrapped, make_inputs, num_steps=2)
+        for name, (_, grad) in unflattened_params(wrapped).items():
+            frozen = name.startswith("layers.0.in_proj") or name == "proj.bias"
+            self.assertEqual(grad is None, frozen, name)
+        # Torch refuses a mix inside one flat parameter without use_orig_params.
+        with self.assertRaisesRegex(ValueError, "requires_grad"):
+            wrap_blocks(model, {MLP}, use_orig_params=False)
+
+    def test_tied_weights(self):
+        self.run_subtests(
+            {"strategy": [S.FULL_SHARD, S.SHARD_GRAD_OP], "use_orig_params": [False, True]},
+            self._check_tied,
+        )
+
+    def _check_tied(self, strategy, use_orig_params):
+        model = init_deterministic(TiedStack())
+        ref_model = copy.deepcopy(model)
+        wrapped = wrap_blocks(
+            model, {MLP}, sharding_strategy=strategy, use_orig_params=use_orig_params
+        )
+        root = wrapped._handle
+        self.assertEqual(len(root.fqns), len(set(root.fqns)))
+        if use_orig_params:  # one shard view, shown under both names
+            self.assertIs(model.head.weight, model.proj.weight)
+        check_train_parity(self, ref_model, wrapped, make_inputs, num_steps=2)
+
+
+class TiedStack(nn.Module):
+    """``proj`` and ``head`` share one weight around two MLP blocks: one parameter that the
+    root instance flattens once and uses twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.layers = nn.ModuleList([MLP(DIM, dim_multiplier=3), MLP(DIM)])
+        self.head = nn.Linear(DIM, DIM, bias=False)
+        self.head.weight = self.proj.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).tanh()
