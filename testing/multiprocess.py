@@ -103,7 +103,7 @@ from reffsdp.testing.collective_trace import (
     find_unmatched,
     read_trace,
 )
-from reffsdp.testing.common import DistributedTestMixin, device_type_under_test
+from reffsdp.testing.common import DistributedTestMixin
 from reffsdp.testing.fake_pg import fake_process_group
 
 # Imported by the fork server: [Note: start-up cost].
