@@ -101,8 +101,10 @@ class FullyShardedDataParallel(nn.Module):
         if auto_wrap_policy is not None:
             from ..wrap import auto_wrap_children
 
+            # Children reuse the root's groups: a hybrid mesh is built once, here.
+            hybrid = strategy in setup.HYBRID
             root_kwargs = dict(
-                process_group=process_group,
+                process_group=None if hybrid else process_group,
                 sharding_strategy=strategy,
                 cpu_offload=cpu_offload,
                 backward_prefetch=backward_prefetch,
@@ -115,7 +117,7 @@ class FullyShardedDataParallel(nn.Module):
                 use_orig_params=use_orig_params,
                 # Ignored parameters stay ignored inside the children that hold them.
                 ignored_states=ignored_params or None,
-                device_mesh=device_mesh,
+                device_mesh=mesh_info.mesh if hybrid else device_mesh,
             )
             auto_wrap_children(
                 module,
@@ -194,6 +196,9 @@ class FullyShardedDataParallel(nn.Module):
             reshard_after_forward=strategy in _RESHARD_AFTER_FORWARD,
             # Every strategy regathers after backward: the optimizer updates the shards.
             reshard_after_backward=True,
+            # Torch's wrapper never reduces with AVG: it divides by the pre factor, sums,
+            # and divides by the post factor (see pre_post_divide_factors). Same numerics.
+            force_sum_reduction=True,
         )
         self._handle = handle
         self._group = ParamGroup(

@@ -250,3 +250,35 @@ class TestWrapperHybridCommCounts(WrapperCommChecks, FSDPTestMultiThread):
                 # The all-reduce moves each reduced shard: half of each padded flat size.
                 self.assertEqual((counts[AR], nbytes[AR]), (n + 1, 4 * sum(numels) // 2))
         dist.barrier()
+
+
+class TestWrapperGradientsLikeTorch(FSDPTestMultiThread):
+    """On 4 ranks the reduced gradients equal torch's wrapper's bit for bit: both divide by
+    the pre factor (2), sum, and divide by the post factor (2), never AVG."""
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def full_grads(self, wrapped, summon) -> dict[str, torch.Tensor]:
+        x = torch.randn(3, DIM, generator=torch.Generator().manual_seed(self.rank))
+        wrapped(x).sum().backward()
+        with summon(wrapped, with_grads=True):
+            return {
+                name.replace("_fsdp_wrapped_module.", ""): p.grad.clone()
+                for name, p in wrapped.named_parameters()
+            }
+
+    def test_full_shard_gradients_equal_torchs(self):
+        theirs = TorchFSDP(
+            model(),
+            auto_wrap_policy=TorchModuleWrapPolicy({MLP}),
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )
+        ours = wrap_blocks(model(), {MLP}, use_orig_params=True)
+        expected = self.full_grads(theirs, TorchFSDP.summon_full_params)
+        actual = self.full_grads(ours, FullyShardedDataParallel.summon_full_params)
+        self.assertEqual(sorted(actual), sorted(expected))
+        for name, grad in expected.items():
+            self.assertTrue(torch.equal(actual[name], grad), name)

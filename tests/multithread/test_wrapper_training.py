@@ -212,6 +212,21 @@ class TestWrapperHybridTraining(WrapperTrainChecks, FSDPTestMultiThread):
             lambda how, **kwargs: self.check_parity(mesh_kwargs=self.hybrid_kwargs(how), **kwargs),
         )
 
+    def test_children_share_the_roots_groups(self):
+        """Auto-wrapped children all-gather and all-reduce on the root's groups, however the
+        root got them (none given: a mesh is built once, not once per child)."""
+
+        def check(how):
+            kwargs = self.hybrid_kwargs(how) if how else {}
+            model = wrap_blocks(MLPBlocks(DIM), {MLP}, sharding_strategy=S.HYBRID_SHARD, **kwargs)
+            infos = [m._mesh_info for m in FullyShardedDataParallel.fsdp_modules(model)]
+            self.assertGreater(len(infos), 1)
+            for info in infos[1:]:
+                self.assertIs(info.shard_group, infos[0].shard_group)
+                self.assertIs(info.replicate_group, infos[0].replicate_group)
+
+        self.run_subtests({"how": [None, "device_mesh", "process_groups"]}, check)
+
 
 def _seeded_init(module: nn.Module) -> None:
     """A ``param_init_fn``: real storage, then values that depend only on the module's
