@@ -49,14 +49,17 @@ class ParamSlot:
     fqn: str  # relative to the wrapped module
 
 
-def _set_tensor(slot: ParamSlot, tensor: torch.Tensor) -> None:
-    """Show ``tensor`` as ``slot``: registered if it is a Parameter, else a plain attribute.
+def _set_tensor(slot: ParamSlot, tensor: torch.Tensor, registered: bool = False) -> None:
+    """Show ``tensor`` as ``slot``: registered if it is a Parameter (or ``registered``),
+    else a plain attribute.
 
-    A plain tensor (a view in forward) must not sit in ``_parameters``: ``parameters()``
-    would hand the optimizer a non-leaf. ``__dict__`` wins over ``nn.Module.__getattr__``.
+    The views shown in forward are plain tensors. With ``use_orig_params=True`` they are
+    registered as torch's wrapper does, so ``named_parameters()`` between forward and
+    backward lists the full-size views; otherwise the flat parameter is the registered one
+    and they are plain attributes (``__dict__`` wins over ``nn.Module.__getattr__``).
     """
     module = slot.module
-    if isinstance(tensor, nn.Parameter):
+    if isinstance(tensor, nn.Parameter) or registered:
         module.__dict__.pop(slot.name, None)
         module._parameters[slot.name] = tensor
     else:
@@ -217,7 +220,7 @@ class FlatParamHandle:
     def to_unsharded(self) -> None:
         for slots, view in zip(self.slots, self.unsharded_views()):
             for slot in slots:
-                _set_tensor(slot, view)
+                _set_tensor(slot, view, registered=self.use_orig_params)
 
     def show_unsharded_as_params(self) -> None:
         """Register full-size ``nn.Parameter`` views (``summon_full_params``)."""

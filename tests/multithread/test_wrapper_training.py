@@ -165,6 +165,12 @@ class TestWrapperTraining(WrapperTrainChecks, FSDPTestMultiThread):
             else:
                 self.assertEqual(tuple(model.proj.weight.shape), root_shape)
                 self.assertEqual(model.layers[0].in_proj.weight.dim(), 2)
+            # named_parameters() lists every original parameter, at the shape shown.
+            shown = dict(wrapped.named_parameters())
+            self.assertEqual(len(shown), len(list(blocks_model().parameters())))
+            self.assertEqual(
+                shown["_fsdp_wrapped_module.proj.weight"].shape, model.proj.weight.shape
+            )
             loss.backward()
             self.assertEqual(model.proj.weight.dim(), 1)
             self.assertEqual(model.proj.weight.grad.shape, model.proj.weight.shape)
