@@ -31,7 +31,10 @@ import torch
 
 
 class GroupMember(Protocol):
-    """The dozen things a group asks of a member (see [Note: group members])."""
+    """The dozen things a group asks of a member (see [Note: group members]).
+
+    Members subclass it to inherit ``compute_dtype``; the rest each member answers itself.
+    """
 
     @property
     def fqn(self) -> str:
@@ -57,7 +60,9 @@ class GroupMember(Protocol):
     reduce_dtype: torch.dtype | None
 
     @property
-    def compute_dtype(self) -> torch.dtype: ...
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the module computes with and the all-gather carries."""
+        return self.param_dtype or self.orig_dtype
 
     def lazy_init(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
         """Once, before the first all-gather: re-sync shard storage, resolve dtypes."""

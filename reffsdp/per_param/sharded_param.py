@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 # ``ShardedParam._to_dtensor``).
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ..core.member import resolve_dtypes
+from ..core.member import GroupMember, resolve_dtypes
 from ..core.mesh import MeshInfo
 from ..core.sharding import ShardLayout, contiguous_strides, shard_tensor, unshard_from_gathered
 from .mesh import TensorParallelSpec, sharded_spec
@@ -83,7 +83,7 @@ def _original_uid(param: nn.Parameter) -> int:
     return uid
 
 
-class ShardedParam:
+class ShardedParam(GroupMember):
     """Shards one parameter over ``mesh_info`` and swaps it between its two forms."""
 
     def __init__(
@@ -294,10 +294,6 @@ class ShardedParam:
     @property
     def shard_numel(self) -> int:
         return self.layout.padded_shard_numel
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.param_dtype or self.orig_dtype
 
     @property
     def requires_grad(self) -> bool:

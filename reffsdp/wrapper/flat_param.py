@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..core.member import resolve_dtypes
+from ..core.member import GroupMember, resolve_dtypes
 from .flat_layout import FlatLayout, RankShard, flat_layout
 
 
@@ -67,7 +67,7 @@ def _set_tensor(slot: ParamSlot, tensor: torch.Tensor, registered: bool = False)
         module.__dict__[slot.name] = tensor
 
 
-class FlatParamHandle:
+class FlatParamHandle(GroupMember):
     """A :class:`~reffsdp.core.member.GroupMember` made of many parameters."""
 
     def __init__(
@@ -159,10 +159,6 @@ class FlatParamHandle:
     @property
     def shard_numel(self) -> int:
         return self.layout.shard_numel
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.param_dtype or self.orig_dtype
 
     def lazy_init(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
         self.param_dtype, self.reduce_dtype = resolve_dtypes(
