@@ -137,7 +137,7 @@ def _whole_states(
     """Per original name, its state with whole tensors (collective for managed parameters)."""
     if owner.instance is None:
         local = by_param.get(param, {})
-        return {owner.fqns[0]: dict(local)} if local else {}
+        return {owner.fqns[0]: {k: _copy(v) for k, v in local.items()}} if local else {}
     instance = owner.instance
     handle = instance._handle
     assert handle is not None
@@ -149,7 +149,7 @@ def _whole_states(
             flat = _gather_flat(value, instance) if _is_shardable(value) else None
             for i, fqn in enumerate(owner.fqns):
                 if flat is None:
-                    result[fqn][name] = value
+                    result[fqn][name] = _copy(value)
                 else:
                     piece = flat.narrow(0, layout.param_offsets[i], layout.numels[i])
                     result[fqn][name] = piece.view(layout.shapes[i]).clone()
@@ -190,7 +190,7 @@ def _whole_orig_state(
     out: dict[str, Any] = {}
     for name, (dtype, value) in merged.items():
         if dtype is None:
-            out[name] = local.get(name, value)
+            out[name] = _copy(local.get(name, value))
             continue
         shard = torch.zeros(layout.shard_numel, dtype=dtype, device=instance.compute_device)
         if name in local and piece.in_shard and piece.numel_in_shard:
@@ -201,6 +201,11 @@ def _whole_orig_state(
         whole = flat.narrow(0, layout.param_offsets[index], layout.numels[index])
         out[name] = whole.view(layout.shapes[index]).clone()
     return {owner.fqns[0]: out}
+
+
+def _copy(value: Any) -> Any:
+    """A tensor the optimizer does not own (its ``step`` is updated in place), else as is."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _gather_flat(shard: torch.Tensor, instance: FullyShardedDataParallel) -> torch.Tensor:
@@ -281,27 +286,28 @@ def _local_state(owner: _Owner, saved: dict[str, dict[str, Any]]) -> dict[str, A
     """This rank's state for one optimizer parameter, from per-name (maybe sharded) states."""
     instance = owner.instance
     if instance is None:
-        return dict(saved.get(owner.fqns[0], {}))
+        return {k: _copy(v) for k, v in saved.get(owner.fqns[0], {}).items()}
     handle = instance._handle
     assert handle is not None
     layout, shard = handle.layout, handle.rank_shard
 
     def whole(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return sd.full_tensor(value, instance)
+            return _copy(sd.full_tensor(value, instance))
         return value
 
     if owner.index is not None:  # use_orig_params=True: this rank's piece of one parameter
         piece = shard.params[owner.index]
         out = {}
+        if not piece.in_shard:  # as in torch: no state for a parameter this rank holds none of
+            for value in saved.get(owner.fqns[0], {}).values():
+                whole(value)  # gathering is collective: take part all the same
+            return out
         for name, value in saved.get(owner.fqns[0], {}).items():
             value = whole(value)
             if _is_shardable(value):
                 flat = value.reshape(-1)
-                if piece.in_shard:
-                    value = flat[piece.intra_param_start : piece.intra_param_end].clone()
-                else:
-                    value = flat[:0].clone()
+                value = flat[piece.intra_param_start : piece.intra_param_end].clone()
             out[name] = value
         return out
     out: dict[str, Any] = {}
