@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..api import StateDictType
+from ..api import ShardingStrategy, StateDictType
 from ..core import comms
 from . import state_dict as sd
 
@@ -110,10 +110,10 @@ def optim_state_dict(
         for fqn, values in _whole_states(owner, param, by_param).items():
             out = {}
             for name, value in values.items():
-                if _is_shardable(value) and owner.instance is not None and not full:
-                    value = sd.chunk_sharded(value, owner.instance, use_dtensor or (
-                        owner.instance._device_mesh is not None
-                    ))  # fmt: skip
+                instance = owner.instance
+                if not full and _is_shardable(value) and _is_sharded(instance):
+                    dtensor = use_dtensor or instance._device_mesh is not None
+                    value = sd.chunk_sharded(value, instance, dtensor)
                 if offload and isinstance(value, torch.Tensor):
                     value = value.cpu()
                 out[name] = value
@@ -125,6 +125,11 @@ def optim_state_dict(
         names = [fqn for p in group_params for fqn in owners[p].fqns]
         groups.append({**{k: v for k, v in raw_group.items() if k != PARAMS}, PARAMS: names})
     return {STATE: state, PARAM_GROUPS: groups}
+
+
+def _is_sharded(instance: FullyShardedDataParallel | None) -> bool:
+    """Whether sharded optimizer state dicts chunk this instance's state (NO_SHARD: whole)."""
+    return instance is not None and instance.sharding_strategy is not ShardingStrategy.NO_SHARD
 
 
 def _is_shardable(value: Any) -> bool:

@@ -284,7 +284,7 @@ def _post_state_dict_hook(
                 for key in [k for k in state_dict if k.startswith(prefix)]:
                     del state_dict[key]
                 return
-            for key in [k for k in state_dict if k.startswith(prefix)]:
+            for key in _own_keys(instance, state_dict, prefix):  # nested ones did theirs
                 if key in names or config.offload_to_cpu:
                     state_dict[key] = _copy(state_dict[key], config.offload_to_cpu)
         else:
@@ -295,6 +295,16 @@ def _post_state_dict_hook(
                     state_dict[key] = state_dict[key].cpu()
     finally:
         reshard(instance, write_back=False)
+
+
+def _own_keys(instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str):
+    """Keys below ``prefix`` that no nested instance saved (this instance's tensors)."""
+    nested = tuple(
+        prefix + clean_name(f"{name}.")
+        for name, module in instance._fsdp_wrapped_module.named_modules()
+        if name and isinstance(module, type(instance))
+    )
+    return [k for k in state_dict if k.startswith(prefix) and not k.startswith(nested)]
 
 
 def _copy(tensor: torch.Tensor, to_cpu: bool) -> torch.Tensor:

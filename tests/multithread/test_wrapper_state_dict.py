@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import warnings
 from unittest import mock
 
 import pytest
@@ -31,6 +30,7 @@ from reffsdp.api import (
     MixedPrecision,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
+    ShardingStrategy,
     StateDictSettings,
     StateDictType,
 )
@@ -41,7 +41,8 @@ from reffsdp.testing.multithread import FSDPTestMultiThread, run_threaded
 from reffsdp.testing.parity import check_state_dict_parity, local_data_parallel_step, train_step
 from reffsdp.wrap import ModuleWrapPolicy
 
-pytestmark = pytest.mark.multithread
+# set_state_dict_type warns that torch deprecates it, as torch's does
+pytestmark = [pytest.mark.multithread, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 DIM = 8
 FULL, LOCAL, SHARDED = (
@@ -49,6 +50,7 @@ FULL, LOCAL, SHARDED = (
     StateDictType.LOCAL_STATE_DICT,
     StateDictType.SHARDED_STATE_DICT,
 )
+NO_SHARD = ShardingStrategy.NO_SHARD
 make_inputs = random_inputs(2, DIM)
 
 
@@ -113,8 +115,6 @@ class TestWrapperStateDict(FSDPTestMultiThread):
         )
         patch.start()
         self.addCleanup(patch.stop)
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        self.addCleanup(warnings.resetwarnings)
 
     def _check_round_trip(self, kind: StateDictType, *configs) -> None:
         for use_orig_params in (False, True):
@@ -291,6 +291,22 @@ class TestWrapperStateDict(FSDPTestMultiThread):
             with self.assertRaisesRegex(RuntimeError, "Missing key.*_flat_param"):
                 model.load_state_dict(full_state)
 
+    def test_no_shard_gives_full_state_dicts(self):
+        ref, _, model, optim = trained(False, self.world_size, sharding_strategy=NO_SHARD)
+        with pytest.warns(UserWarning, match="NO_SHARD"):
+            model_state, optim_state = save(model, optim, SHARDED)
+        for name, value in model_state.items():
+            self.assertIs(type(value), torch.Tensor, name)
+            torch.testing.assert_close(value, ref.state_dict()[name], msg=name)
+        exp_avg = optim_state["state"]["proj.weight"]["exp_avg"]
+        self.assertEqual((type(exp_avg), exp_avg.shape), (torch.Tensor, (DIM, DIM)))
+        other = wrap(_blocks(), sharding_strategy=NO_SHARD)
+        other_optim = adam(other.parameters())
+        with pytest.warns(UserWarning, match="NO_SHARD"):
+            load(other, other_optim, (model_state, optim_state), SHARDED)
+        inputs = make_inputs(1, self.rank)
+        self.assertEqual(train_step(other, other_optim, inputs), train_step(model, optim, inputs))
+
     def test_dcp_model_state_dict_functions(self):
         """``get_model_state_dict``/``set_model_state_dict`` call ``state_dict`` and
         ``load_state_dict``: under SHARDED_STATE_DICT they round-trip DTensors."""
@@ -321,7 +337,6 @@ def test_full_optim_state_saved_on_4_ranks_loads_on_2(use_orig_params):
     saved: dict[int, tuple[dict, dict]] = {}
 
     def save_on_4(rank: int) -> None:
-        warnings.filterwarnings("ignore", category=FutureWarning)
         model = wrap(copy.deepcopy(initial), use_orig_params=use_orig_params)
         optim = adam(model.parameters())
         for step in range(2):
@@ -349,7 +364,6 @@ def test_local_state_dict_loads_only_at_its_world_size():
     saved: dict[int, dict] = {}
 
     def save_on_4(rank: int) -> None:
-        warnings.filterwarnings("ignore", category=FutureWarning)
         model = wrap(copy.deepcopy(initial))
         with FSDP.state_dict_type(model, LOCAL):
             saved[rank] = model.state_dict()
