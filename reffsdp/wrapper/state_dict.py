@@ -32,6 +32,16 @@ Sharded values are ``ShardedTensor`` s, as torch's are, unless the config asks f
 they are ``DTensor`` s with ``Shard(0)`` on the shard dimension of the wrapper's mesh.
 Both load through ``torch.distributed.checkpoint``. ``NO_SHARD`` instances always give
 full state dicts (with a warning), as torch's do.
+
+``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict`` recognise
+torch's wrapper by type (``isinstance`` against torch's ``FullyShardedDataParallel`` and
+its ``_FSDPState``), which this class cannot pass without importing torch's FSDP. For other
+modules they call ``state_dict()``/``load_state_dict()`` as they are: that works for the
+model under a type set with ``set_state_dict_type`` when ``use_orig_params=True`` (with
+``False`` their name walk looks for the original parameters as module attributes, which
+the flat parameter replaces). Their optimizer half keys state by ``named_parameters()``
+names, which keep ``_fsdp_wrapped_module.``, and saves each rank's shards as if they were
+replicated: use ``FullyShardedDataParallel.optim_state_dict`` instead.
 """
 
 from __future__ import annotations
@@ -280,7 +290,7 @@ def _post_state_dict_hook(
     names = [prefix + fqn for fqn in handle.fqns] if handle is not None else []
     try:
         if kind is StateDictType.FULL_STATE_DICT:
-            if isinstance(config, FullStateDictConfig) and config.rank0_only and dist.get_rank():
+            if isinstance(config, FullStateDictConfig) and config.rank0_only and instance.rank:
                 for key in [k for k in state_dict if k.startswith(prefix)]:
                     del state_dict[key]
                 return
