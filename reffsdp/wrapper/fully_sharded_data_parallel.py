@@ -30,13 +30,22 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
 from ..algorithms import LOW_PRECISION_HOOKS
-from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from ..api import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    OptimStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from ..core.autograd_hooks import in_backward, queue_final_callback, register_pre_backward
 from ..core.collectives import CustomReduction
 from ..core.param_group import GroupSettings, ParamGroup, end_backward
 from ..core.runtime import CommContext
 from ..core.states import TrainingState
-from . import full_params, setup
+from . import full_params, optim_state, setup, state_dict
 from .flat_param import FlatParameter, FlatParamHandle, ParamSlot
 
 WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -148,6 +157,7 @@ class FullyShardedDataParallel(nn.Module):
         self._root_ctx = RootContext()
         self.training_state = TrainingState.IDLE
         self.add_module(WRAPPED_MODULE, module)
+        state_dict.init_state_dict(self, device_mesh)
 
         setup.materialize(
             module, param_init_fn, device, ignored_modules_set, FullyShardedDataParallel
@@ -248,6 +258,64 @@ class FullyShardedDataParallel(nn.Module):
             return found
         inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
         return [m for m in found if id(m) not in inner]
+
+    # -- state dicts (see [Note: wrapper state dicts] in state_dict.py) ----------------
+
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings:
+        """Set the state-dict type of every instance under ``module``; returns the previous
+        settings."""
+        return state_dict.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The state-dict settings every instance under ``module`` shares."""
+        return state_dict.get_state_dict_type(module)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> Iterator[None]:
+        """``set_state_dict_type`` inside a ``with`` block, restored on exit."""
+        with state_dict.state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        ):
+            yield
+
+    @staticmethod
+    def optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any] | None = None,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """``optim``'s state keyed by original parameter names (see optim_state.py)."""
+        return optim_state.optim_state_dict(model, optim, optim_state_dict, group)
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """What ``optim.load_state_dict`` takes, from an ``optim_state_dict`` result."""
+        return optim_state.optim_state_dict_to_load(
+            model, optim, optim_state_dict, is_named_optimizer, load_directly, group
+        )
 
     # -- lazy init ----------------------------------------------------------------------
 

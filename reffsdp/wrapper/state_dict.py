@@ -1,0 +1,530 @@
+"""Model state dicts of the wrapper API: the three ``StateDictType`` s and their hooks.
+
+[Note: wrapper state dicts]
+Every ``FullyShardedDataParallel`` instance holds a state-dict type and two configs (model
+and optimizer), set for a whole tree at once by ``set_state_dict_type``. ``state_dict()``
+and ``load_state_dict()`` stay ``nn.Module``'s own: four hooks per instance reshape what
+they see.
+
+* ``FULL_STATE_DICT``: the pre-hook all-gathers the flat parameter (in full precision) and
+  registers each original parameter as a full-size ``nn.Parameter`` view of it, hiding the
+  flat parameter; ``nn.Module`` then saves or loads them under their original names. The
+  post-hook clones the values (or copies them to CPU) and reshards; on load it first copies
+  this rank's chunk of the gathered buffer back into the shard.
+* ``SHARDED_STATE_DICT``: as FULL, but each full parameter is then chunked on dim 0 over the
+  shard group (``torch.chunk`` semantics, like ``Shard(0)``). A flat-parameter shard cuts
+  a 2-D weight in the middle of a row, which neither ``DTensor`` nor ``ShardedTensor`` can
+  describe, so the whole parameter is gathered first, as torch does. On load each value is
+  gathered back to a full tensor and loaded as with FULL.
+* ``LOCAL_STATE_DICT``: the flat parameter's shard as it is, a 1-D ``ShardedTensor`` of the
+  flat parameter's numel (tail padding left out), under ``<prefix>_flat_param``. Its layout
+  depends on the world size, so it loads only at the world size that saved it.
+
+Keys are the original names: each post-hook strips ``_fsdp_wrapped_module.`` below its
+prefix (inner instances first, so the root sees clean names), keeping the order
+``nn.Module`` produced. Each load pre-hook puts the prefix back on every key below its own
+prefix, so nested instances and ``nn.Module``'s recursion find their keys; the load
+post-hook strips it again from missing and unexpected keys, so ``strict`` reports original
+names.
+
+Sharded values are ``ShardedTensor`` s, as torch's are, unless the config asks for
+``_use_dtensor`` (set automatically when the wrapper was given a ``device_mesh``): then
+they are ``DTensor`` s with ``Shard(0)`` on the shard dimension of the wrapper's mesh.
+Both load through ``torch.distributed.checkpoint``. ``NO_SHARD`` instances always give
+full state dicts (with a warning), as torch's do.
+
+``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict`` recognise
+torch's wrapper by type (``isinstance`` against torch's ``FullyShardedDataParallel`` and
+its ``_FSDPState``), which this class cannot pass without importing torch's FSDP. For other
+modules they call ``state_dict()``/``load_state_dict()`` as they are: that works for the
+model under a type set with ``set_state_dict_type`` when ``use_orig_params=True`` (with
+``False`` their name walk looks for the original parameters as module attributes, which
+the flat parameter replaces). Their optimizer half keys state by ``named_parameters()``
+names, which keep ``_fsdp_wrapped_module.``, and saves each rank's shards as if they were
+replicated: use ``FullyShardedDataParallel.optim_state_dict`` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._shard.sharded_tensor import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+from torch.distributed._shard.sharding_spec import ShardMetadata
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Shard as DShard
+
+from ..api import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from ..core import comms
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+WRAPPED_PREFIX = "_fsdp_wrapped_module."
+FLAT_PARAM = "_flat_param"
+
+_CONFIG_TYPES: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+}
+
+
+def clean_name(name: str) -> str:
+    """``name`` without the wrapper's module prefixes (activation checkpointing's too)."""
+    return name.replace(WRAPPED_PREFIX, "").replace("_checkpoint_wrapped_module.", "")
+
+
+# -- settings -------------------------------------------------------------------------------
+
+
+def init_state_dict(instance: FullyShardedDataParallel, device_mesh: Any) -> None:
+    """At construction: FULL_STATE_DICT with default configs, and the four hooks."""
+    instance._device_mesh = device_mesh  # sharded state dicts then give DTensors
+    instance._state_dict_type = StateDictType.FULL_STATE_DICT
+    instance._state_dict_config = FullStateDictConfig()
+    instance._optim_state_dict_config = FullOptimStateDictConfig()
+    instance.register_state_dict_pre_hook(_pre_state_dict_hook)
+    instance.register_state_dict_post_hook(_post_state_dict_hook)
+    instance.register_load_state_dict_pre_hook(_pre_load_state_dict_hook)
+    instance.register_load_state_dict_post_hook(_post_load_state_dict_hook)
+
+
+def set_state_dict_type(
+    module: nn.Module,
+    state_dict_type: StateDictType,
+    state_dict_config: StateDictConfig | None = None,
+    optim_state_dict_config: OptimStateDictConfig | None = None,
+) -> StateDictSettings:
+    """Set every instance under ``module``; returns the settings they had before."""
+    warnings.warn(
+        "FSDP.state_dict_type() and FSDP.set_state_dict_type() are deprecated in torch in "
+        "favour of torch.distributed.checkpoint.state_dict.get_state_dict() and "
+        "set_state_dict()",
+        FutureWarning,
+        stacklevel=3,
+    )
+    config_type, optim_config_type = _CONFIG_TYPES[state_dict_type]
+    state_dict_config = state_dict_config if state_dict_config is not None else config_type()
+    if optim_state_dict_config is None:
+        optim_state_dict_config = optim_config_type()
+    for given, expected in (
+        (state_dict_config, config_type),
+        (optim_state_dict_config, optim_config_type),
+    ):
+        if type(given) is not expected:
+            raise RuntimeError(
+                f"{state_dict_type} needs a {expected.__name__}, got a {type(given).__name__}"
+            )
+    previous = None
+    for instance in _instances(module):
+        settings = _settings(instance)
+        if previous is None:
+            previous = settings
+        elif settings.state_dict_type != previous.state_dict_type or type(
+            settings.state_dict_config
+        ) is not type(previous.state_dict_config):
+            raise AssertionError("every FullyShardedDataParallel must share one state-dict type")
+        instance._state_dict_type = state_dict_type
+        instance._state_dict_config = state_dict_config
+        instance._optim_state_dict_config = optim_state_dict_config
+    if previous is None:  # torch returns a settings object of Nones here
+        return StateDictSettings(None, None, None)  # type: ignore[arg-type]
+    return previous
+
+
+def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+    """The settings every instance under ``module`` shares (``AssertionError`` if they differ)."""
+    found: StateDictSettings | None = None
+    for instance in _instances(module):
+        settings = _settings(instance)
+        if found is None:
+            found = settings
+        elif settings != found:
+            raise AssertionError(
+                f"every FullyShardedDataParallel must share one state-dict setting, got "
+                f"{settings} and {found}"
+            )
+    if found is None:
+        raise ValueError(f"no FullyShardedDataParallel instance in {type(module).__name__}")
+    return found
+
+
+@contextlib.contextmanager
+def state_dict_type(
+    module: nn.Module,
+    state_dict_type: StateDictType,
+    state_dict_config: StateDictConfig | None = None,
+    optim_state_dict_config: OptimStateDictConfig | None = None,
+) -> Iterator[None]:
+    """:func:`set_state_dict_type` for the duration of a ``with`` block."""
+    previous = set_state_dict_type(
+        module, state_dict_type, state_dict_config, optim_state_dict_config
+    )
+    try:
+        yield
+    finally:
+        if previous.state_dict_type is not None:
+            set_state_dict_type(
+                module,
+                previous.state_dict_type,
+                previous.state_dict_config,
+                previous.optim_state_dict_config,
+            )
+
+
+def _instances(module: nn.Module) -> list[FullyShardedDataParallel]:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.fsdp_modules(module)
+
+
+def _settings(instance: FullyShardedDataParallel) -> StateDictSettings:
+    return StateDictSettings(
+        instance._state_dict_type, instance._state_dict_config, instance._optim_state_dict_config
+    )
+
+
+def _effective_type(instance: FullyShardedDataParallel) -> StateDictType:
+    """The type in force; NO_SHARD instances have only full state dicts, as in torch."""
+    local = instance._state_dict_type is StateDictType.LOCAL_STATE_DICT
+    if local and instance._device_mesh is not None:
+        raise RuntimeError(
+            f"{_name(instance)} was given a device_mesh: LOCAL_STATE_DICT is not supported "
+            "with one (as in torch); use SHARDED_STATE_DICT"
+        )
+    if instance.sharding_strategy is ShardingStrategy.NO_SHARD:
+        if instance._state_dict_type is not StateDictType.FULL_STATE_DICT:
+            warnings.warn(
+                f"FullyShardedDataParallel({type(instance.module).__name__}) uses NO_SHARD: "
+                f"it saves and loads a full state dict instead of {instance._state_dict_type}",
+                stacklevel=4,
+            )
+        return StateDictType.FULL_STATE_DICT
+    return instance._state_dict_type
+
+
+def _name(instance: FullyShardedDataParallel) -> str:
+    return f"FullyShardedDataParallel({type(instance.module).__name__})"
+
+
+# -- the unsharded window of FULL and SHARDED -------------------------------------------------
+# The smallest unshard/reshard these need, on the group's own all-gather; summon_full_params
+# is built on the same two steps.
+
+
+def unshard_as_params(instance: FullyShardedDataParallel) -> None:
+    """All-gather in full precision; show the originals as full-size Parameters."""
+    handle, group = instance._handle, instance._group
+    if handle is None or group is None:
+        return
+    instance._lazy_init()
+    group.lazy_init()
+    if group.is_unsharded and handle.param_dtype is not None:
+        group.reshard()  # gathered in low precision: gather again in full
+    param_dtype, handle.param_dtype = handle.param_dtype, None
+    try:
+        instance._unshard_now()
+    finally:
+        handle.param_dtype = param_dtype
+    handle.show_unsharded_as_params()
+    instance._fsdp_wrapped_module._parameters.pop(FLAT_PARAM, None)
+
+
+def reshard(instance: FullyShardedDataParallel, *, write_back: bool) -> None:
+    """End :func:`unshard_as_params`; with ``write_back``, keep what was loaded into it."""
+    handle, group = instance._handle, instance._group
+    if handle is None or group is None:
+        return
+    if write_back:
+        assert handle.gathered is not None
+        shard = handle.rank_shard
+        with torch.no_grad():
+            handle.local_shard.copy_(handle.gathered.narrow(0, shard.flat_start, shard.shard_numel))
+    if not handle.use_orig_params:
+        instance._fsdp_wrapped_module._parameters[FLAT_PARAM] = handle.flat_param
+    group.reshard()
+
+
+# -- saving -----------------------------------------------------------------------------------
+
+
+def _pre_state_dict_hook(instance: FullyShardedDataParallel, prefix: str, keep_vars: bool) -> None:
+    if _effective_type(instance) is not StateDictType.LOCAL_STATE_DICT:
+        unshard_as_params(instance)
+
+
+def _post_state_dict_hook(
+    instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str, _: Any
+) -> None:
+    _replace_prefix(state_dict, prefix + WRAPPED_PREFIX, prefix)
+    kind = _effective_type(instance)
+    config = instance._state_dict_config
+    handle = instance._handle
+    if kind is StateDictType.LOCAL_STATE_DICT:
+        if handle is not None:
+            state_dict[prefix + FLAT_PARAM] = _local_flat_param(instance, config.offload_to_cpu)
+        return
+    names = [prefix + fqn for fqn in handle.fqns] if handle is not None else []
+    try:
+        if kind is StateDictType.FULL_STATE_DICT:
+            if isinstance(config, FullStateDictConfig) and config.rank0_only and instance.rank:
+                for key in [k for k in state_dict if k.startswith(prefix)]:
+                    del state_dict[key]
+                return
+            for key in _own_keys(instance, state_dict, prefix):  # nested ones did theirs
+                if key in names or config.offload_to_cpu:
+                    state_dict[key] = _copy(state_dict[key], config.offload_to_cpu)
+        else:
+            for key in names:
+                full = state_dict[key].detach()
+                state_dict[key] = chunk_sharded(full, instance, _use_dtensor(instance, config))
+                if config.offload_to_cpu:
+                    state_dict[key] = state_dict[key].cpu()
+    finally:
+        reshard(instance, write_back=False)
+
+
+def _own_keys(instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str):
+    """Keys below ``prefix`` that no nested instance saved (this instance's tensors)."""
+    nested = tuple(
+        prefix + clean_name(f"{name}.")
+        for name, module in instance._fsdp_wrapped_module.named_modules()
+        if name and isinstance(module, type(instance))
+    )
+    return [k for k in state_dict if k.startswith(prefix) and not k.startswith(nested)]
+
+
+def _copy(tensor: torch.Tensor, to_cpu: bool) -> torch.Tensor:
+    """A copy that survives the reshard: on CPU if asked (a copy even if already there)."""
+    if to_cpu:
+        return tensor.detach().to("cpu", copy=True)
+    return tensor.detach().clone()
+
+
+def _local_flat_param(instance: FullyShardedDataParallel, to_cpu: bool) -> ShardedTensor:
+    """This rank's shard of the flat parameter, tail padding dropped, as a 1-D ShardedTensor."""
+    handle = instance._handle
+    assert handle is not None
+    layout, rank = handle.layout, instance.rank
+    chunks = _flat_chunks(layout.total_numel, layout.shard_numel, instance.world_size)
+    local = []
+    if rank < len(chunks):
+        data = handle.local_shard.detach().narrow(0, 0, chunks[rank][1])
+        local = [Shard.from_tensor_and_offsets(data, [chunks[rank][0]], rank)]
+    tensor = _sharded_tensor(
+        local, [([o], [n]) for o, n in chunks], torch.Size([layout.total_numel]),
+        handle.orig_dtype, instance,
+    )  # fmt: skip
+    return tensor.cpu() if to_cpu else tensor
+
+
+def _flat_chunks(total: int, shard_numel: int, world_size: int) -> list[tuple[int, int]]:
+    """(offset, numel) of every non-empty chunk of a flat buffer of ``total`` elements."""
+    chunks = []
+    for rank in range(world_size):
+        start = rank * shard_numel
+        numel = min(shard_numel, total - start)
+        if numel > 0:
+            chunks.append((start, numel))
+    return chunks
+
+
+def _use_dtensor(instance: FullyShardedDataParallel, config: Any) -> bool:
+    return bool(getattr(config, "_use_dtensor", False)) or instance._device_mesh is not None
+
+
+def chunk_sharded(
+    full: torch.Tensor, instance: FullyShardedDataParallel, use_dtensor: bool
+) -> torch.Tensor:
+    """``full`` chunked on dim 0 over the instance's shard group: this rank keeps a clone of
+    its chunk. Three rows on two ranks: rank 0 keeps rows 0-1, rank 1 row 2."""
+    world_size, rank = instance.world_size, instance.rank
+    chunks = full.chunk(world_size, dim=0)
+    if use_dtensor:
+        mesh_info = instance._mesh_info
+        placements = [Replicate()] * mesh_info.mesh.ndim
+        placements[mesh_info.shard_mesh_dim] = DShard(0)
+        local = chunks[rank].clone() if rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
+        return DTensor.from_local(
+            local, mesh_info.mesh, placements, run_check=False, shape=full.shape,
+            stride=full.stride(),
+        )  # fmt: skip
+    rows = -(-full.shape[0] // world_size)  # every chunk but the last has this many
+    local = []
+    if rank < len(chunks):
+        offsets = [rank * rows] + [0] * (full.dim() - 1)
+        local = [Shard.from_tensor_and_offsets(chunks[rank].clone(), offsets, rank)]
+    layout = [
+        ([r * rows] + [0] * (full.dim() - 1), list(chunk.shape)) for r, chunk in enumerate(chunks)
+    ]
+    return _sharded_tensor(local, layout, full.shape, full.dtype, instance)
+
+
+def _sharded_tensor(
+    local: list[Shard],
+    layout: list[tuple[list[int], list[int]]],
+    size: torch.Size,
+    dtype: torch.dtype,
+    instance: FullyShardedDataParallel,
+) -> ShardedTensor:
+    """A ShardedTensor from this rank's shards and every shard's (offsets, sizes), built
+    without communication (every rank computes the same layout)."""
+    group = instance.process_group
+    device = instance.compute_device.type
+    shards = [
+        ShardMetadata(offsets, sizes, f"rank:{dist.get_global_rank(group, r)}/{_device(device, r)}")
+        for r, (offsets, sizes) in enumerate(layout)
+    ]
+    properties = TensorProperties(dtype=dtype, requires_grad=False)
+    metadata = ShardedTensorMetadata(shards, size, properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, sharded_tensor_metadata=metadata, process_group=group
+    )
+
+
+def _device(device_type: str, rank: int) -> str:
+    if device_type == "cpu":
+        return "cpu"
+    return f"{device_type}:{rank % max(torch.accelerator.device_count(), 1)}"
+
+
+def full_tensor(value: torch.Tensor, instance: FullyShardedDataParallel) -> torch.Tensor:
+    """A DTensor or dim-0-chunked ShardedTensor gathered whole; plain tensors as they are."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if not isinstance(value, ShardedTensor):
+        return value
+    size = value.size()
+    group, world_size = instance.process_group, instance.world_size
+    rows = -(-size[0] // world_size)
+    device = instance.compute_device
+    padded = torch.zeros((rows, *size[1:]), dtype=value.dtype, device=device)
+    local = value.local_shards()
+    if len(local) > 1:
+        raise ValueError(f"expected at most one shard per rank, got {len(local)}")
+    if local:
+        padded.narrow(0, 0, local[0].tensor.shape[0]).copy_(local[0].tensor)
+    gathered = torch.empty((rows * world_size, *size[1:]), dtype=value.dtype, device=device)
+    comms.all_gather(gathered, padded, group)
+    return gathered.narrow(0, 0, size[0])
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+
+def _pre_load_state_dict_hook(
+    instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str, *_: Any
+) -> None:
+    kind = _effective_type(instance)
+    handle = instance._handle
+    if kind is StateDictType.LOCAL_STATE_DICT:
+        if handle is not None:
+            _load_local_flat_param(instance, state_dict, prefix)
+        _replace_prefix(state_dict, prefix, prefix + WRAPPED_PREFIX)
+        return
+    if handle is not None:
+        for fqn in handle.fqns:
+            key = prefix + fqn
+            if key not in state_dict:
+                continue  # nn.Module reports it missing
+            value = state_dict[key]
+            if kind is StateDictType.SHARDED_STATE_DICT:
+                if not isinstance(value, (ShardedTensor, DTensor)):
+                    _wrong_type(instance, key, value, kind)
+                state_dict[key] = full_tensor(value, instance)
+            elif isinstance(value, (ShardedTensor, DTensor)):
+                _wrong_type(instance, key, value, kind)
+    unshard_as_params(instance)
+    _replace_prefix(state_dict, prefix, prefix + WRAPPED_PREFIX)
+
+
+def _post_load_state_dict_hook(instance: FullyShardedDataParallel, incompatible: Any) -> None:
+    if _effective_type(instance) is not StateDictType.LOCAL_STATE_DICT:
+        reshard(instance, write_back=True)
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        keys[:] = [clean_name(key) for key in keys]
+
+
+def _wrong_type(
+    instance: FullyShardedDataParallel, key: str, value: Any, kind: StateDictType
+) -> None:
+    expected = (
+        "a ShardedTensor or DTensor"
+        if kind is StateDictType.SHARDED_STATE_DICT
+        else ("a plain tensor")
+    )
+    raise ValueError(
+        f"{_name(instance)} loads a {kind.name} and expects {expected} for {key!r}, got a "
+        f"{type(value).__name__}: the state dict was saved under another StateDictType; load "
+        "it inside FullyShardedDataParallel.state_dict_type(model, <the type it was saved "
+        "with>)"
+    )
+
+
+def _load_local_flat_param(
+    instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str
+) -> None:
+    """Check that a LOCAL entry fits this world size and turn it into the padded shard."""
+    handle = instance._handle
+    assert handle is not None
+    key = prefix + FLAT_PARAM
+    if key not in state_dict:
+        return  # nn.Module reports the flat parameter missing
+    value = state_dict.pop(key)
+    if not isinstance(value, ShardedTensor):
+        _wrong_type(instance, key, value, StateDictType.LOCAL_STATE_DICT)
+    layout = handle.layout
+    expected = _flat_chunks(layout.total_numel, layout.shard_numel, instance.world_size)
+    saved = [(m.shard_offsets[0], m.shard_sizes[0]) for m in value.metadata().shards_metadata]
+    if saved != expected or value.size() != torch.Size([layout.total_numel]):
+        raise ValueError(
+            f"{_name(instance)}: the LOCAL_STATE_DICT entry {key!r} was saved by "
+            f"{len(saved)} ranks holding (offset, numel) {saved} of {value.size().numel()} "
+            f"elements, but this instance shards {layout.total_numel} elements over "
+            f"{instance.world_size} ranks as {expected}. A local state dict loads only at the "
+            "world size that saved it; save a SHARDED_STATE_DICT or FULL_STATE_DICT to change "
+            "the world size"
+        )
+    shard = torch.zeros_like(handle.local_shard)
+    local = value.local_shards()
+    if local:
+        data = local[0].tensor.reshape(-1)
+        shard.narrow(0, 0, data.numel()).copy_(data)
+    if handle.use_orig_params:  # the flat parameter is no registered parameter: copy here
+        with torch.no_grad():
+            handle.local_shard.copy_(shard)
+    else:
+        state_dict[prefix + FLAT_PARAM] = shard
+
+
+def _replace_prefix(state_dict: dict[str, Any], old: str, new: str) -> None:
+    """Rename keys starting with ``old`` to start with ``new``, keeping the dict's order."""
+    if not any(key.startswith(old) for key in state_dict):
+        return
+    items = list(state_dict.items())
+    state_dict.clear()
+    for key, value in items:
+        state_dict[new + key[len(old) :] if key.startswith(old) else key] = value
