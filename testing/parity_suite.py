@@ -37,7 +37,7 @@ from reffsdp import MixedPrecisionPolicy, fully_shard
 
 from .inputs import random_inputs, random_tokens
 from .meshes import mesh_1d, mesh_dp_tp, mesh_hsdp, mesh_nd
-from .models import ConvNet, MLPStack, ModelArgs, Transformer
+from .models import ConvNet, MLPStack, ModelArgs, Transformer, init_deterministic
 from .parity import check_train_parity, gradient_sync_off
 
 
@@ -64,7 +64,7 @@ def _same_on_all_ranks(model: nn.Module) -> nn.Module:
 
 def _mlp_stack(mesh_fn: Callable[[], Any], reshard: bool | int | None, **fsdp_kwargs: Any):
     def run(device: torch.device) -> None:
-        model = _same_on_all_ranks(MLPStack(7).to(device))
+        model = init_deterministic(MLPStack(7)).to(device)
         ref = copy.deepcopy(model)
         mesh = mesh_fn()
         for block in model:
@@ -103,7 +103,7 @@ def _tensor_parallel(replicate: int):
         else:
             mesh = mesh_nd(replicate, shard, tp, device.type)
             dp_mesh = mesh["dp_replicate", "dp_shard"]
-        model = _same_on_all_ranks(MLPStack(8).to(device))
+        model = init_deterministic(MLPStack(8)).to(device)
         ref = copy.deepcopy(model)
         plan = {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
         for block in model:
@@ -125,7 +125,7 @@ def _convnet(device: torch.device) -> None:
 
 
 def _microbatches(device: torch.device) -> None:
-    model = _same_on_all_ranks(MLPStack(6).to(device))
+    model = init_deterministic(MLPStack(6)).to(device)
     ref = copy.deepcopy(model)
     for block in model:
         fully_shard(block, mesh=mesh_1d(device.type))
