@@ -147,3 +147,17 @@ def resolve_dtypes(
     if reduce_dtype == (param_dtype or orig_dtype):
         reduce_dtype = None
     return param_dtype, reduce_dtype
+
+
+def with_storage(
+    buffer: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``buffer`` with storage for ``numel`` elements again (regrown in place, so views of
+    it stay valid), or a new buffer when there is none yet or the dtype changed."""
+    if buffer is None or buffer.dtype != dtype:
+        return torch.empty(numel, dtype=dtype, device=device)
+    storage = buffer.untyped_storage()
+    nbytes = numel * buffer.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+    return buffer

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 # ``ShardedParam._to_dtensor``).
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ..core.member import GroupMember, resolve_dtypes
+from ..core.member import GroupMember, resolve_dtypes, with_storage
 from ..core.mesh import MeshInfo
 from ..core.sharding import ShardLayout, contiguous_strides, shard_tensor, unshard_from_gathered
 from .mesh import TensorParallelSpec, sharded_spec
@@ -329,13 +329,8 @@ class ShardedParam(GroupMember):
         """``gathered`` with storage to receive an all-gather (as an untracked alias)."""
         numel = self.layout.world_size * self.layout.padded_shard_numel
         if self.gathered is None or self.gathered.dtype != self.compute_dtype:
-            self.gathered = torch.empty(numel, dtype=self.compute_dtype, device=self.device)
-            self.unsharded_param = None
-        else:
-            storage = self.gathered.untyped_storage()
-            nbytes = numel * self.gathered.element_size()
-            if storage.size() != nbytes:
-                storage.resize_(nbytes)
+            self.unsharded_param = None  # a new buffer: the unsharded views are rebuilt
+        self.gathered = with_storage(self.gathered, numel, self.compute_dtype, self.device)
         return self.gathered.data
 
     def keep_post_forward_shard(self, rank: int, world_size: int) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..core.member import GroupMember, resolve_dtypes
+from ..core.member import GroupMember, resolve_dtypes, with_storage
 from .flat_layout import FlatLayout, RankShard, flat_layout
 
 
@@ -176,13 +176,8 @@ class FlatParamHandle(GroupMember):
     def all_gather_output(self) -> torch.Tensor:
         numel = self.layout.padded_numel
         if self.gathered is None or self.gathered.dtype != self.compute_dtype:
-            self.gathered = torch.empty(numel, dtype=self.compute_dtype, device=self.device)
-            self.unsharded = None
-        else:
-            storage = self.gathered.untyped_storage()
-            nbytes = numel * self.gathered.element_size()
-            if storage.size() != nbytes:
-                storage.resize_(nbytes)
+            self.unsharded = None  # a new buffer: the unsharded views are rebuilt
+        self.gathered = with_storage(self.gathered, numel, self.compute_dtype, self.device)
         return self.gathered.data
 
     def finish_unshard(self) -> None:
