@@ -344,9 +344,9 @@ class FullyShardedDataParallel(nn.Module):
         if mp is not None and mp.buffer_dtype is not None:
             for instance in instances:
                 for sub in instance._own_modules():
-                    for name, buffer in sub._buffers.items():
-                        if buffer is not None and buffer.is_floating_point():
-                            sub._buffers[name] = buffer.to(mp.buffer_dtype)
+                    for name, buffer in sub.named_buffers(recurse=False, remove_duplicate=False):
+                        if buffer.is_floating_point():
+                            setattr(sub, name, buffer.to(mp.buffer_dtype))
 
     def _own_modules(self) -> list[nn.Module]:
         return setup._unwrapped_modules(

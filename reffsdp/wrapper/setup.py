@@ -332,9 +332,9 @@ def move_to_device(
                     )
                 with torch.no_grad():
                     param.data = param.data.to(device)
-        for name, buffer in sub._buffers.items():
-            if buffer is not None and buffer.device != device and not buffer.is_meta:
-                sub._buffers[name] = buffer.to(device)
+        for name, buffer in sub.named_buffers(recurse=False, remove_duplicate=False):
+            if buffer.device != device and not buffer.is_meta:
+                setattr(sub, name, buffer.to(device))  # stays a buffer, persistent or not
 
 
 def sync_module_states(
