@@ -213,17 +213,6 @@ class FlatParamHandle(GroupMember):
             for slot in slots:
                 _set_tensor(slot, view, registered=self.use_orig_params)
 
-    def show_unsharded_as_params(self) -> None:
-        """Register full-size ``nn.Parameter`` views (``summon_full_params``)."""
-        assert self.unsharded is not None
-        for i, slots in enumerate(self.slots):
-            offset = self.layout.param_offsets[i]
-            data = self.unsharded.detach().narrow(0, offset, self.layout.numels[i])
-            param = nn.Parameter(data.view(self.layout.shapes[i]), requires_grad=False)
-            param.requires_grad_(self.trainable[i])
-            for slot in slots:
-                _set_tensor(slot, param)
-
     def show_sharded(self) -> None:
         """Between iterations: original parameters as shard views, or nothing to show."""
         for i, slots in enumerate(self.slots):

@@ -78,11 +78,13 @@ from ..api import (
     StateDictType,
 )
 from ..core import comms
+from . import full_params
+from .full_params import WRAPPER_PREFIX as WRAPPED_PREFIX
+from .full_params import _name
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel
 
-WRAPPED_PREFIX = "_fsdp_wrapped_module."
 FLAT_PARAM = "_flat_param"
 
 _CONFIG_TYPES: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
@@ -218,7 +220,7 @@ def _effective_type(instance: FullyShardedDataParallel) -> StateDictType:
     if instance.sharding_strategy is ShardingStrategy.NO_SHARD:
         if instance._state_dict_type is not StateDictType.FULL_STATE_DICT:
             warnings.warn(
-                f"FullyShardedDataParallel({type(instance.module).__name__}) uses NO_SHARD: "
+                f"{_name(instance)} uses NO_SHARD: "
                 f"it saves and loads a full state dict instead of {instance._state_dict_type}",
                 stacklevel=4,
             )
@@ -226,46 +228,33 @@ def _effective_type(instance: FullyShardedDataParallel) -> StateDictType:
     return instance._state_dict_type
 
 
-def _name(instance: FullyShardedDataParallel) -> str:
-    return f"FullyShardedDataParallel({type(instance.module).__name__})"
-
-
 # -- the unsharded window of FULL and SHARDED -------------------------------------------------
-# The smallest unshard/reshard these need, on the group's own all-gather; summon_full_params
-# is built on the same two steps.
+# Saving and loading a full or sharded state dict read and write the original parameters at
+# full size: the same window as ``summon_full_params`` on one instance (full precision, the
+# forward's low-precision buffers set aside), opened in the pre-hook and closed in the post.
+
+_WINDOW = "_state_dict_full_params"
 
 
-def unshard_as_params(instance: FullyShardedDataParallel) -> None:
-    """All-gather in full precision; show the originals as full-size Parameters."""
-    handle, group = instance._handle, instance._group
-    if handle is None or group is None:
-        return
-    instance._lazy_init()
-    group.lazy_init()
-    if group.is_unsharded and handle.param_dtype is not None:
-        group.reshard()  # gathered in low precision: gather again in full
-    param_dtype, handle.param_dtype = handle.param_dtype, None
-    try:
-        instance._unshard_now()
-    finally:
-        handle.param_dtype = param_dtype
-    handle.show_unsharded_as_params()
-    instance._fsdp_wrapped_module._parameters.pop(FLAT_PARAM, None)
+def unshard_as_params(instance: FullyShardedDataParallel, *, write_back: bool) -> None:
+    """Show the originals at full size until :func:`reshard`; with ``write_back``, what is
+    loaded into them is kept in the shards."""
+    window = contextlib.ExitStack()
+    window.enter_context(
+        full_params.summon_one(
+            instance,
+            writeback=write_back,
+            rank0_only=False,
+            offload_to_cpu=False,
+            with_grads=False,
+        )
+    )
+    instance.__dict__[_WINDOW] = window
 
 
-def reshard(instance: FullyShardedDataParallel, *, write_back: bool) -> None:
-    """End :func:`unshard_as_params`; with ``write_back``, keep what was loaded into it."""
-    handle, group = instance._handle, instance._group
-    if handle is None or group is None:
-        return
-    if write_back:
-        assert handle.gathered is not None
-        shard = handle.rank_shard
-        with torch.no_grad():
-            handle.local_shard.copy_(handle.gathered.narrow(0, shard.flat_start, shard.shard_numel))
-    if not handle.use_orig_params:
-        instance._fsdp_wrapped_module._parameters[FLAT_PARAM] = handle.flat_param
-    group.reshard()
+def reshard(instance: FullyShardedDataParallel) -> None:
+    """Close the window :func:`unshard_as_params` opened."""
+    instance.__dict__.pop(_WINDOW).close()
 
 
 # -- saving -----------------------------------------------------------------------------------
@@ -273,7 +262,7 @@ def reshard(instance: FullyShardedDataParallel, *, write_back: bool) -> None:
 
 def _pre_state_dict_hook(instance: FullyShardedDataParallel, prefix: str, keep_vars: bool) -> None:
     if _effective_type(instance) is not StateDictType.LOCAL_STATE_DICT:
-        unshard_as_params(instance)
+        unshard_as_params(instance, write_back=False)
 
 
 def _post_state_dict_hook(
@@ -304,7 +293,7 @@ def _post_state_dict_hook(
                 if config.offload_to_cpu:
                     state_dict[key] = state_dict[key].cpu()
     finally:
-        reshard(instance, write_back=False)
+        reshard(instance)
 
 
 def _own_keys(instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str):
@@ -457,13 +446,13 @@ def _pre_load_state_dict_hook(
                 state_dict[key] = full_tensor(value, instance)
             elif isinstance(value, (ShardedTensor, DTensor)):
                 _wrong_type(instance, key, value, kind)
-    unshard_as_params(instance)
+    unshard_as_params(instance, write_back=True)
     _replace_prefix(state_dict, prefix, prefix + WRAPPED_PREFIX)
 
 
 def _post_load_state_dict_hook(instance: FullyShardedDataParallel, incompatible: Any) -> None:
     if _effective_type(instance) is not StateDictType.LOCAL_STATE_DICT:
-        reshard(instance, write_back=True)
+        reshard(instance)
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
         keys[:] = [clean_name(key) for key in keys]
 
