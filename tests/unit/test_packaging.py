@@ -1,5 +1,6 @@
 """The top-level ``testing/`` folder ships as ``reffsdp.testing`` in a normal (wheel) install."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -10,8 +11,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _modules(package_root: Path) -> list[Path]:
+    """Every ``.py`` file of the package and of its subpackages (folders with ``__init__.py``)."""
+    return [
+        path
+        for path in package_root.rglob("*.py")
+        if (path.parent / "__init__.py").exists() and "__pycache__" not in path.parts
+    ]
+
+
 @pytest.mark.timeout(120)
 def test_wheel_contains_the_testing_subpackage(tmp_path):
+    # Build from a copy: setuptools reuses a ``build/`` folder, whose stale files could hide
+    # a module missing from pyproject's package list.
+    source = tmp_path / "source"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    for name in ("reffsdp", "testing"):
+        shutil.copytree(ROOT / name, source / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     subprocess.run(
         [
             sys.executable,
@@ -23,15 +41,20 @@ def test_wheel_contains_the_testing_subpackage(tmp_path):
             "-q",
             "-w",
             str(tmp_path),
-            str(ROOT),
+            str(source),
         ],
         check=True,
     )
     (wheel,) = tmp_path.glob("reffsdp-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("__init__", "multithread", "multiprocess", "parity", "threaded_pg"):
-        assert f"reffsdp/testing/{module}.py" in names
-    assert "reffsdp/per_param/fully_shard.py" in names
+    sources = {
+        f"reffsdp/{path.relative_to(ROOT / 'reffsdp')}" for path in _modules(ROOT / "reffsdp")
+    }
+    sources |= {
+        f"reffsdp/testing/{path.relative_to(ROOT / 'testing')}"
+        for path in _modules(ROOT / "testing")
+    }
+    assert sources - names == set(), "modules missing from the wheel (pyproject's packages list)"
     assert not any(name.startswith("testing/") for name in names)
     metadata = next(n for n in names if n.endswith("METADATA"))
     requires = [
