@@ -33,15 +33,9 @@ they are ``DTensor`` s with ``Shard(0)`` on the shard dimension of the wrapper's
 Both load through ``torch.distributed.checkpoint``. ``NO_SHARD`` instances always give
 full state dicts (with a warning), as torch's do.
 
-``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict`` recognise
-torch's wrapper by type (``isinstance`` against torch's ``FullyShardedDataParallel`` and
-its ``_FSDPState``), which this class cannot pass without importing torch's FSDP. For other
-modules they call ``state_dict()``/``load_state_dict()`` as they are: that works for the
-model under a type set with ``set_state_dict_type`` when ``use_orig_params=True`` (with
-``False`` their name walk looks for the original parameters as module attributes, which
-the flat parameter replaces). Their optimizer half keys state by ``named_parameters()``
-names, which keep ``_fsdp_wrapped_module.``, and saves each rank's shards as if they were
-replicated: use ``FullyShardedDataParallel.optim_state_dict`` instead.
+``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict`` drive these
+same hooks and the optimizer functions of ``optim_state.py`` through ``state_dict_type``:
+see [Note: DCP's state-dict functions and this wrapper] in ``dcp_support.py``.
 """
 
 from __future__ import annotations
@@ -78,7 +72,7 @@ from ..api import (
     StateDictType,
 )
 from ..core import comms
-from . import full_params
+from . import dcp_support, full_params
 from .full_params import WRAPPER_PREFIX as WRAPPED_PREFIX
 from .full_params import _name
 
@@ -112,6 +106,7 @@ def init_state_dict(instance: FullyShardedDataParallel, device_mesh: Any) -> Non
     instance.register_state_dict_post_hook(_post_state_dict_hook)
     instance.register_load_state_dict_pre_hook(_pre_load_state_dict_hook)
     instance.register_load_state_dict_post_hook(_post_load_state_dict_hook)
+    dcp_support.install()
 
 
 def set_state_dict_type(
@@ -119,15 +114,19 @@ def set_state_dict_type(
     state_dict_type: StateDictType,
     state_dict_config: StateDictConfig | None = None,
     optim_state_dict_config: OptimStateDictConfig | None = None,
+    *,
+    warn: bool = True,
 ) -> StateDictSettings:
-    """Set every instance under ``module``; returns the settings they had before."""
-    warnings.warn(
-        "FSDP.state_dict_type() and FSDP.set_state_dict_type() are deprecated in torch in "
-        "favour of torch.distributed.checkpoint.state_dict.get_state_dict() and "
-        "set_state_dict()",
-        FutureWarning,
-        stacklevel=3,
-    )
+    """Set every instance under ``module``; returns the settings they had before. ``warn``:
+    torch's deprecation warning (its own ``get_state_dict`` sets the type silently)."""
+    if warn:
+        warnings.warn(
+            "FSDP.state_dict_type() and FSDP.set_state_dict_type() are deprecated in torch in "
+            "favour of torch.distributed.checkpoint.state_dict.get_state_dict() and "
+            "set_state_dict()",
+            FutureWarning,
+            stacklevel=3,
+        )
     config_type, optim_config_type = _CONFIG_TYPES[state_dict_type]
     state_dict_config = state_dict_config if state_dict_config is not None else config_type()
     if optim_state_dict_config is None:
@@ -180,10 +179,12 @@ def state_dict_type(
     state_dict_type: StateDictType,
     state_dict_config: StateDictConfig | None = None,
     optim_state_dict_config: OptimStateDictConfig | None = None,
+    *,
+    warn: bool = True,
 ) -> Iterator[None]:
     """:func:`set_state_dict_type` for the duration of a ``with`` block."""
     previous = set_state_dict_type(
-        module, state_dict_type, state_dict_config, optim_state_dict_config
+        module, state_dict_type, state_dict_config, optim_state_dict_config, warn=warn
     )
     try:
         yield
@@ -194,6 +195,7 @@ def state_dict_type(
                 previous.state_dict_type,
                 previous.state_dict_config,
                 previous.optim_state_dict_config,
+                warn=warn,
             )
 
 
