@@ -99,14 +99,40 @@ def clean_name(name: str) -> str:
 def init_state_dict(instance: FullyShardedDataParallel, device_mesh: Any) -> None:
     """At construction: FULL_STATE_DICT with default configs, and the four hooks."""
     instance._device_mesh = device_mesh  # sharded state dicts then give DTensors
+    if device_mesh is None:
+        _forget_inherited_mesh(instance)
     instance._state_dict_type = StateDictType.FULL_STATE_DICT
     instance._state_dict_config = FullStateDictConfig()
     instance._optim_state_dict_config = FullOptimStateDictConfig()
+    instance._orig_buffer_dtypes = _own_buffer_dtypes(instance)
     instance.register_state_dict_pre_hook(_pre_state_dict_hook)
     instance.register_state_dict_post_hook(_post_state_dict_hook)
     instance.register_load_state_dict_pre_hook(_pre_load_state_dict_hook)
     instance.register_load_state_dict_post_hook(_post_load_state_dict_hook)
     dcp_support.install()
+
+
+def _forget_inherited_mesh(root: FullyShardedDataParallel) -> None:
+    """Children that auto-wrapping gave the mesh a hybrid root built from its process groups
+    were, like the root, given process groups: no DTensors, and LOCAL_STATE_DICT works."""
+    built = root._mesh_info.mesh
+    for child in _instances(root)[1:]:
+        if built is not None and child._device_mesh is built:
+            child._device_mesh = None
+
+
+def _own_buffer_dtypes(instance: FullyShardedDataParallel) -> dict[str, torch.dtype]:
+    """Clean names (below the wrapped module) and dtypes of the floating-point buffers of
+    the modules this instance owns, before mixed precision casts them."""
+    own = {id(m) for m in instance._own_modules()}
+    dtypes = {}
+    for name, module in instance._fsdp_wrapped_module.named_modules(remove_duplicate=False):
+        if id(module) not in own:
+            continue
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_floating_point():
+                dtypes[clean_name(f"{name}.{buffer_name}" if name else buffer_name)] = buffer.dtype
+    return dtypes
 
 
 def set_state_dict_type(
@@ -294,8 +320,29 @@ def _post_state_dict_hook(
                 state_dict[key] = chunk_sharded(full, instance, _use_dtensor(instance, config))
                 if config.offload_to_cpu:
                     state_dict[key] = state_dict[key].cpu()
+            if config.offload_to_cpu:
+                for key in _own_keys(instance, state_dict, prefix):
+                    if key not in names:
+                        state_dict[key] = state_dict[key].cpu()
+        _restore_buffer_dtypes(instance, state_dict, prefix)
     finally:
         reshard(instance)
+
+
+def _restore_buffer_dtypes(
+    instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str
+) -> None:
+    """Full and sharded state dicts hold buffers in the dtype they had before the root's
+    ``MixedPrecision.buffer_dtype`` cast them, as torch's do (local ones keep the cast)."""
+    roots = instance._root_ctx.instances
+    mixed_precision = roots[0].mixed_precision if roots else None
+    buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
+    if buffer_dtype is None:
+        return
+    for name, dtype in instance._orig_buffer_dtypes.items():
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and value.dtype == buffer_dtype != dtype:
+            state_dict[prefix + name] = value.to(dtype)
 
 
 def _own_keys(instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str):
