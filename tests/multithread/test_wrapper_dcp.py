@@ -31,12 +31,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp._debug_utils import SimpleProfiler
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+from torch.distributed.tensor import DTensor
 
 from reffsdp import FullyShardedDataParallel as FSDP
-from reffsdp.api import StateDictType
+from reffsdp.api import ShardingStrategy, StateDictType
 from reffsdp.core import comms
 from reffsdp.testing.models import MLP
 from reffsdp.testing.multithread import FSDPTestMultiThread
@@ -44,6 +46,7 @@ from reffsdp.testing.parity import train_step
 from reffsdp.wrapper import dcp_support
 from tests.multithread.test_fully_shard_checkpoint import shared_temp_dir
 from tests.multithread.test_wrapper_state_dict import (
+    DIM,
     _blocks,
     _local_tensors,
     adam,
@@ -255,3 +258,28 @@ class TestWrapperDCP(FSDPTestMultiThread):
         self.assertIs(stand_in.full_optim_state_dict, TorchFSDP.full_optim_state_dict)
         get_state = dcp_state_dict._get_module_fsdp_state_if_fully_sharded_module
         self.assertIsNone(get_state(nn.Linear(2, 2)))
+
+
+class TestWrapperDCPHybrid(FSDPTestMultiThread):
+    """HYBRID_SHARD on 2 replicas of 2 shards, given a 2-D device mesh (DTensors)."""
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_get_and_set_state_dict_round_trip(self):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        kwargs = dict(sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=mesh)
+        for use_orig_params in (False, True):
+            for name in ("full", "full_cpu_offload", "sharded"):
+                where = f"{name}, use_orig_params={use_orig_params}"
+                _, _, model, optim = trained(use_orig_params, 4, steps=2, **kwargs)
+                model_state, optim_state = get_state_dict(model, optim, options=OPTIONS[name])
+                if name == "sharded":
+                    weight = model_state["layers.0.in_proj.weight"]
+                    self.assertIsInstance(weight, DTensor, where)
+                    self.assertEqual(weight.to_local().shape, (12, DIM), where)
+                other = wrap(_blocks(), use_orig_params=use_orig_params, **kwargs)
+                other_optim = adam(other.parameters())
+                load(other, other_optim, model_state, optim_state, OPTIONS[name])
+                TestWrapperDCP._check_continues(self, model, optim, other, other_optim, where)
