@@ -61,13 +61,17 @@ def install() -> None:
     with _lock:
         if _installed:
             return
-        module = importlib.import_module(DCP_STATE_DICT)
+        try:
+            module = importlib.import_module(DCP_STATE_DICT)
+        except ImportError:
+            module = None
         original = getattr(module, _WRAPPER_NAME, None)
         state_getter = getattr(module, _STATE_GETTER_NAME, None)
         if not isinstance(original, type) or not callable(state_getter):
             warnings.warn(
-                f"{DCP_STATE_DICT} has no {_WRAPPER_NAME!r} class or {_STATE_GETTER_NAME!r} "
-                "to extend in this torch version, so its get_state_dict/set_state_dict do not "
+                f"{DCP_STATE_DICT} is missing or has no {_WRAPPER_NAME!r} class or "
+                f"{_STATE_GETTER_NAME!r} to extend in this torch version, so its "
+                "get_state_dict/set_state_dict do not "
                 "recognise reffsdp.FullyShardedDataParallel. Use "
                 "FullyShardedDataParallel.state_dict_type() with model.state_dict()/"
                 "load_state_dict() and FullyShardedDataParallel.optim_state_dict()/"
@@ -162,10 +166,14 @@ def _stand_in(original: type) -> type:
 
 
 def _state_getter(original: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
-    """DCP's "wrapper state of this module" lookup: our instances are their own state."""
+    """DCP's "wrapper state of this module" lookup: our instances are their own state,
+    initialized first so that ``_is_root`` is known (DCP asks it for outermost ones first)."""
 
     def get_state(module: nn.Module) -> Any:
-        return module if isinstance(module, _ours()) else original(module)
+        if not isinstance(module, _ours()):
+            return original(module)
+        module._lazy_init()
+        return module
 
     return get_state
 
