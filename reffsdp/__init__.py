@@ -4,7 +4,7 @@ Import-compatible with ``torch.distributed.fsdp``: swap ``from torch.distributed
 import X`` for ``from reffsdp import X``.
 
 [Note: process-wide state]
-Almost all state lives on modules, parameters and the per-root contexts. Five things are
+Almost all state lives on modules, parameters and the per-root contexts. Six things are
 module globals, each safe when every rank is a thread of one process (the threaded test
 harness):
 
@@ -23,6 +23,12 @@ harness):
   equivalent classes, both subclasses of ``FSDPModule`` and the module class.
 * ``wrap.py`` ``_wrap_context``: the ``enable_wrap`` settings, a context variable and so
   per thread.
+* ``wrapper/dcp_support.py`` ``_installed``: whether the first ``FullyShardedDataParallel``
+  built has replaced two module-level names of ``torch.distributed.checkpoint.state_dict``
+  (its ``FSDP`` class and ``_get_module_fsdp_state_if_fully_sharded_module``) with
+  stand-ins that send this package's wrappers to their own state-dict functions and
+  everything else to torch's objects. Set once for the process under a lock, never undone;
+  the stand-ins keep no state, so ranks share them safely.
 """
 
 from .api import (

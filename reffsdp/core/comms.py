@@ -45,6 +45,10 @@ class Collective(enum.Enum):
     GATHER = "gather"
     SCATTER = "scatter"
     REDUCE = "reduce"
+    # Picklable objects (state-dict metadata): seen by interceptors; the comm counter sees
+    # the tensor collectives torch builds them from.
+    ALL_GATHER_OBJECT = "all_gather_object"
+    BROADCAST_OBJECT = "broadcast_object_list"
 
 
 def torch_all_gather() -> Callable[..., Any]:
@@ -66,6 +70,10 @@ def _torch_collective(kind: Collective) -> Callable[..., Any]:
         return dist.all_reduce
     if kind is Collective.BROADCAST:
         return dist.broadcast
+    if kind is Collective.ALL_GATHER_OBJECT:
+        return dist.all_gather_object
+    if kind is Collective.BROADCAST_OBJECT:
+        return dist.broadcast_object_list
     raise ValueError(f"reffsdp issues no {kind.value} collective")
 
 
@@ -91,7 +99,8 @@ def intercept(kind: Collective, fn: Callable[..., Any]) -> Iterator[None]:
 
     ``fn`` takes the same arguments as the torch function it stands in for
     (``dist.all_gather_single``, ``dist.reduce_scatter_single``, ``dist.all_reduce``,
-    ``dist.broadcast``) and may call that function itself to let the collective through.
+    ``dist.broadcast``, ``dist.all_gather_object``, ``dist.broadcast_object_list``) and may
+    call that function itself to let the collective through.
     """
     key = (kind, _caller_rank())
     with _interceptors_lock:
@@ -150,6 +159,17 @@ def broadcast(
 ) -> dist.Work | None:
     """Copy global rank ``src``'s ``tensor`` to every rank of the group."""
     return _resolve(Collective.BROADCAST)(tensor, src=src, group=group, async_op=async_op)
+
+
+def all_gather_object(output: list[Any], obj: Any, group: dist.ProcessGroup | None) -> None:
+    """Every rank's picklable ``obj``, rank r's at ``output[r]`` (``output`` has one slot per
+    rank of the group)."""
+    _resolve(Collective.ALL_GATHER_OBJECT)(output, obj, group=group)
+
+
+def broadcast_object_list(objects: list[Any], src: int, group: dist.ProcessGroup | None) -> None:
+    """Replace ``objects``' items on every rank of the group with global rank ``src``'s."""
+    _resolve(Collective.BROADCAST_OBJECT)(objects, src=src, group=group)
 
 
 def premul_sum(factor: float) -> Any:

@@ -18,6 +18,11 @@ the flat buffer is sharded like any tensor on dim 0. Per rank we keep:
 
 A reduced gradient chunk becomes ``FlatParameter.grad`` (or, with ``use_orig_params=True``,
 views of one flat gradient on each original parameter), added to what is already there.
+
+Between forward passes (``use_orig_params=False``) each module keeps a plain attribute for
+each of its original parameters, full-shaped but with no storage, as torch's wrapper leaves
+views of its freed unsharded flat parameter: code that walks names with ``getattr``
+(``torch.distributed.checkpoint.state_dict`` does) finds them; reading their values fails.
 """
 
 from __future__ import annotations
@@ -36,8 +41,12 @@ class FlatParameter(nn.Parameter):
     """This rank's shard of a wrapper instance's flattened parameters (1-D).
 
     Metadata lives on the handle that owns it (``FullyShardedDataParallel._handle``); the
-    class only marks the tensor so code can tell a flat parameter from an original one.
+    class marks the tensor so code can tell a flat parameter from an original one, and
+    records the names torch's flat parameter records, which
+    ``torch.distributed.checkpoint.state_dict`` reads.
     """
+
+    _fqns: tuple[str, ...]  # the originals' names below the wrapped module, wrapper-free
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,9 @@ class FlatParamHandle(GroupMember):
         if self.offload:
             self.local_shard = self.local_shard.cpu().pin_memory()
         self.flat_param = FlatParameter(self.local_shard, requires_grad=any(self.trainable))
+        self.flat_param._fqns = tuple(
+            fqn.replace("_checkpoint_wrapped_module.", "") for fqn in self.fqns
+        )
         self.orig_params: list[nn.Parameter] = []
         if use_orig_params:
             self.orig_params = [
@@ -114,6 +126,7 @@ class FlatParamHandle(GroupMember):
         self.unsharded_accumulated_grad: torch.Tensor | None = None
         self.post_backward_hook: Callable[[], None] | None = None
         self.keep_low_precision_grads = False  # MixedPrecision: grads stay in param_dtype
+        self._storageless_views: list[torch.Tensor] | None = None  # see the note above
         self.show_sharded()
 
     # -- building -----------------------------------------------------------------------
@@ -214,14 +227,25 @@ class FlatParamHandle(GroupMember):
                 _set_tensor(slot, view, registered=self.use_orig_params)
 
     def show_sharded(self) -> None:
-        """Between iterations: original parameters as shard views, or nothing to show."""
-        for i, slots in enumerate(self.slots):
+        """Between iterations: original parameters as shard views, or storage-less views
+        (the flat parameter stands in for them; see the note above)."""
+        views = self.orig_params if self.use_orig_params else self._storageless()
+        for slots, view in zip(self.slots, views):
             for slot in slots:
-                if self.use_orig_params:
-                    _set_tensor(slot, self.orig_params[i])
-                else:  # the flat parameter stands in for them; drop stale attributes
-                    slot.module._parameters.pop(slot.name, None)
-                    slot.module.__dict__.pop(slot.name, None)
+                _set_tensor(slot, view)
+
+    def _storageless(self) -> list[torch.Tensor]:
+        """Full-shaped views of a flat buffer whose storage is freed, made once."""
+        if self._storageless_views is None:
+            freed = torch.empty(self.layout.total_numel, dtype=self.orig_dtype, device=self.device)
+            self._storageless_views = [
+                freed.narrow(0, offset, numel).view(shape)
+                for offset, numel, shape in zip(
+                    self.layout.param_offsets, self.layout.numels, self.layout.shapes
+                )
+            ]
+            freed.untyped_storage().resize_(0)
+        return self._storageless_views
 
     def to_sharded(self) -> None:
         self.show_sharded()

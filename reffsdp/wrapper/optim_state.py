@@ -181,7 +181,7 @@ def _whole_orig_state(
     }
     summaries: list[Any] = [None] * instance.world_size
     if instance.world_size > 1:
-        dist.all_gather_object(summaries, summary, group=instance._mesh_info.shard_group)
+        comms.all_gather_object(summaries, summary, instance._mesh_info.shard_group)
     else:
         summaries = [summary]
     merged: dict[str, tuple[torch.dtype | None, Any]] = {}
@@ -251,7 +251,8 @@ def optim_state_dict_to_load(
     full, config = _settings(model)
     if full and getattr(config, "rank0_only", False):
         holder = [optim_state_dict if dist.get_rank(group) == 0 else None]
-        dist.broadcast_object_list(holder, group=group, group_src=0)
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        comms.broadcast_object_list(holder, src, group)
         optim_state_dict = holder[0]
     owners = _owners(model)
     loaded_groups = optim_state_dict[PARAM_GROUPS]

@@ -33,15 +33,9 @@ they are ``DTensor`` s with ``Shard(0)`` on the shard dimension of the wrapper's
 Both load through ``torch.distributed.checkpoint``. ``NO_SHARD`` instances always give
 full state dicts (with a warning), as torch's do.
 
-``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict`` recognise
-torch's wrapper by type (``isinstance`` against torch's ``FullyShardedDataParallel`` and
-its ``_FSDPState``), which this class cannot pass without importing torch's FSDP. For other
-modules they call ``state_dict()``/``load_state_dict()`` as they are: that works for the
-model under a type set with ``set_state_dict_type`` when ``use_orig_params=True`` (with
-``False`` their name walk looks for the original parameters as module attributes, which
-the flat parameter replaces). Their optimizer half keys state by ``named_parameters()``
-names, which keep ``_fsdp_wrapped_module.``, and saves each rank's shards as if they were
-replicated: use ``FullyShardedDataParallel.optim_state_dict`` instead.
+``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict`` drive these
+same hooks and the optimizer functions of ``optim_state.py`` through ``state_dict_type``:
+see [Note: DCP's state-dict functions and this wrapper] in ``dcp_support.py``.
 """
 
 from __future__ import annotations
@@ -78,7 +72,7 @@ from ..api import (
     StateDictType,
 )
 from ..core import comms
-from . import full_params
+from . import dcp_support, full_params
 from .full_params import WRAPPER_PREFIX as WRAPPED_PREFIX
 from .full_params import _name
 
@@ -105,13 +99,40 @@ def clean_name(name: str) -> str:
 def init_state_dict(instance: FullyShardedDataParallel, device_mesh: Any) -> None:
     """At construction: FULL_STATE_DICT with default configs, and the four hooks."""
     instance._device_mesh = device_mesh  # sharded state dicts then give DTensors
+    if device_mesh is None:
+        _forget_inherited_mesh(instance)
     instance._state_dict_type = StateDictType.FULL_STATE_DICT
     instance._state_dict_config = FullStateDictConfig()
     instance._optim_state_dict_config = FullOptimStateDictConfig()
+    instance._orig_buffer_dtypes = _own_buffer_dtypes(instance)
     instance.register_state_dict_pre_hook(_pre_state_dict_hook)
     instance.register_state_dict_post_hook(_post_state_dict_hook)
     instance.register_load_state_dict_pre_hook(_pre_load_state_dict_hook)
     instance.register_load_state_dict_post_hook(_post_load_state_dict_hook)
+    dcp_support.install()
+
+
+def _forget_inherited_mesh(root: FullyShardedDataParallel) -> None:
+    """Children that auto-wrapping gave the mesh a hybrid root built from its process groups
+    were, like the root, given process groups: no DTensors, and LOCAL_STATE_DICT works."""
+    built = root._mesh_info.mesh
+    for child in _instances(root)[1:]:
+        if built is not None and child._device_mesh is built:
+            child._device_mesh = None
+
+
+def _own_buffer_dtypes(instance: FullyShardedDataParallel) -> dict[str, torch.dtype]:
+    """Clean names (below the wrapped module) and dtypes of the floating-point buffers of
+    the modules this instance owns, before mixed precision casts them."""
+    own = {id(m) for m in instance._own_modules()}
+    dtypes = {}
+    for name, module in instance._fsdp_wrapped_module.named_modules(remove_duplicate=False):
+        if id(module) not in own:
+            continue
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_floating_point():
+                dtypes[clean_name(f"{name}.{buffer_name}" if name else buffer_name)] = buffer.dtype
+    return dtypes
 
 
 def set_state_dict_type(
@@ -119,15 +140,19 @@ def set_state_dict_type(
     state_dict_type: StateDictType,
     state_dict_config: StateDictConfig | None = None,
     optim_state_dict_config: OptimStateDictConfig | None = None,
+    *,
+    warn: bool = True,
 ) -> StateDictSettings:
-    """Set every instance under ``module``; returns the settings they had before."""
-    warnings.warn(
-        "FSDP.state_dict_type() and FSDP.set_state_dict_type() are deprecated in torch in "
-        "favour of torch.distributed.checkpoint.state_dict.get_state_dict() and "
-        "set_state_dict()",
-        FutureWarning,
-        stacklevel=3,
-    )
+    """Set every instance under ``module``; returns the settings they had before. ``warn``:
+    torch's deprecation warning (its own ``get_state_dict`` sets the type silently)."""
+    if warn:
+        warnings.warn(
+            "FSDP.state_dict_type() and FSDP.set_state_dict_type() are deprecated in torch in "
+            "favour of torch.distributed.checkpoint.state_dict.get_state_dict() and "
+            "set_state_dict()",
+            FutureWarning,
+            stacklevel=3,
+        )
     config_type, optim_config_type = _CONFIG_TYPES[state_dict_type]
     state_dict_config = state_dict_config if state_dict_config is not None else config_type()
     if optim_state_dict_config is None:
@@ -180,10 +205,12 @@ def state_dict_type(
     state_dict_type: StateDictType,
     state_dict_config: StateDictConfig | None = None,
     optim_state_dict_config: OptimStateDictConfig | None = None,
+    *,
+    warn: bool = True,
 ) -> Iterator[None]:
     """:func:`set_state_dict_type` for the duration of a ``with`` block."""
     previous = set_state_dict_type(
-        module, state_dict_type, state_dict_config, optim_state_dict_config
+        module, state_dict_type, state_dict_config, optim_state_dict_config, warn=warn
     )
     try:
         yield
@@ -194,6 +221,7 @@ def state_dict_type(
                 previous.state_dict_type,
                 previous.state_dict_config,
                 previous.optim_state_dict_config,
+                warn=warn,
             )
 
 
@@ -292,8 +320,29 @@ def _post_state_dict_hook(
                 state_dict[key] = chunk_sharded(full, instance, _use_dtensor(instance, config))
                 if config.offload_to_cpu:
                     state_dict[key] = state_dict[key].cpu()
+            if config.offload_to_cpu:
+                for key in _own_keys(instance, state_dict, prefix):
+                    if key not in names:
+                        state_dict[key] = state_dict[key].cpu()
+        _restore_buffer_dtypes(instance, state_dict, prefix)
     finally:
         reshard(instance)
+
+
+def _restore_buffer_dtypes(
+    instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str
+) -> None:
+    """Full and sharded state dicts hold buffers in the dtype they had before the root's
+    ``MixedPrecision.buffer_dtype`` cast them, as torch's do (local ones keep the cast)."""
+    roots = instance._root_ctx.instances
+    mixed_precision = roots[0].mixed_precision if roots else None
+    buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
+    if buffer_dtype is None:
+        return
+    for name, dtype in instance._orig_buffer_dtypes.items():
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and value.dtype == buffer_dtype != dtype:
+            state_dict[prefix + name] = value.to(dtype)
 
 
 def _own_keys(instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str):

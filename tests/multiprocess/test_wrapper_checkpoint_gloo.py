@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from reffsdp import FullyShardedDataParallel as FSDP
 from reffsdp.api import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
@@ -67,7 +68,16 @@ class TestWrapperCheckpointGloo(FSDPTest):
         for use_orig_params, configs in ((False, ()), (True, dtensors)):
             self._check_dcp_4_to_2(use_orig_params, configs, pair)
 
-    def _check_dcp_4_to_2(self, use_orig_params: bool, configs: tuple, pair) -> None:
+    def test_get_state_dict_on_4_ranks_set_state_dict_on_2(self):
+        """The same, through DCP's get_state_dict/set_state_dict as torch's wrapper's users
+        call them."""
+        pair = dist.new_group([0, 1])
+        for use_orig_params in (False, True):
+            self._check_dcp_4_to_2(use_orig_params, None, pair)
+
+    def _check_dcp_4_to_2(self, use_orig_params: bool, configs: tuple | None, pair) -> None:
+        """``configs``: the state-dict configs of FSDP's own functions; ``None``: DCP's
+        get_state_dict/set_state_dict."""
         torch.manual_seed(0)
         initial = _blocks()  # the same in every rank process
         ref = copy.deepcopy(initial)
@@ -84,12 +94,25 @@ class TestWrapperCheckpointGloo(FSDPTest):
             train_step(model, optim, make_inputs(step, self.rank))
         path = shared_temp_dir()
         try:
-            dcp.save(checkpoint_state(model, optim, *configs), checkpoint_id=path)
+            if configs is None:
+                model_state, optim_state = get_state_dict(model, optim)
+                dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+            else:
+                dcp.save(checkpoint_state(model, optim, *configs), checkpoint_id=path)
             if self.rank >= 2:
                 return
             other = wrap(_blocks(), process_group=pair, use_orig_params=use_orig_params)
             other_optim = adam(other.parameters())
-            load_checkpoint(other, other_optim, path, pair, *configs)
+            if configs is None:
+                model_state, optim_state = get_state_dict(other, other_optim)
+                state = {"model": model_state, "optim": optim_state}
+                dcp.load(state, checkpoint_id=path, process_group=pair)
+                set_state_dict(
+                    other, other_optim, model_state_dict=state["model"],
+                    optim_state_dict=state["optim"],
+                )  # fmt: skip
+            else:
+                load_checkpoint(other, other_optim, path, pair, *configs)
             with FSDP.state_dict_type(other, StateDictType.FULL_STATE_DICT):
                 for name, value in other.state_dict().items():
                     torch.testing.assert_close(value, saved[name], msg=name)

@@ -184,8 +184,10 @@ class TestSummonFullParams(FSDPTestMultiThread):
             self.assertEqual(model.module.inp.weight.shape, (5, 3))
             if use_orig_params:
                 self.assertEqual(block_weight().dim(), 1)  # still this rank's shard
-            else:
-                self.assertFalse(hasattr(model.module.block.module[0], "weight"))
+            else:  # as torch's: a full-shaped plain tensor with no storage
+                self.assertNotIsInstance(block_weight(), torch.nn.Parameter)
+                self.assertEqual(block_weight().shape, (5, 5))
+                self.assertEqual(block_weight().untyped_storage().size(), 0)
         with FSDP.summon_full_params(model.module.block):
             self.assertEqual(block_weight().shape, (5, 5))
             with FSDP.summon_full_params(model, recurse=False):  # allowed, as in torch

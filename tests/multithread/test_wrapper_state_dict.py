@@ -16,7 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.distributed.fsdp import StateDictType as TorchStateDictType
 from torch.distributed.fsdp._debug_utils import SimpleProfiler
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
@@ -38,7 +41,12 @@ from reffsdp.testing.build import reference_and_model
 from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLP, MLPBlocks
 from reffsdp.testing.multithread import FSDPTestMultiThread, run_threaded
-from reffsdp.testing.parity import check_state_dict_parity, local_data_parallel_step, train_step
+from reffsdp.testing.parity import (
+    check_state_dict_parity,
+    local_data_parallel_step,
+    sum_loss,
+    train_step,
+)
 from reffsdp.wrap import ModuleWrapPolicy
 
 # set_state_dict_type warns that torch deprecates it, as torch's does
@@ -51,6 +59,9 @@ FULL, LOCAL, SHARDED = (
     StateDictType.SHARDED_STATE_DICT,
 )
 NO_SHARD = ShardingStrategy.NO_SHARD
+FULL_SHARD, SHARD_GRAD_OP = ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+BUFFERS = ("layers.0.buffer", "layers.1.buffer")
 make_inputs = random_inputs(2, DIM)
 
 
@@ -116,11 +127,11 @@ class TestWrapperStateDict(FSDPTestMultiThread):
         patch.start()
         self.addCleanup(patch.stop)
 
-    def _check_round_trip(self, kind: StateDictType, *configs) -> None:
+    def _check_round_trip(self, kind: StateDictType, *configs, **kwargs) -> None:
         for use_orig_params in (False, True):
-            _, _, model, optim = trained(use_orig_params, self.world_size)
+            _, _, model, optim = trained(use_orig_params, self.world_size, **kwargs)
             states = save(model, optim, kind, *configs)
-            other = wrap(_blocks(), use_orig_params=use_orig_params)  # other weights
+            other = wrap(_blocks(), use_orig_params=use_orig_params, **kwargs)  # other weights
             other_optim = adam(other.parameters())
             load(other, other_optim, states, kind, *configs)
             for step in (1, 2):
@@ -307,6 +318,110 @@ class TestWrapperStateDict(FSDPTestMultiThread):
         inputs = make_inputs(1, self.rank)
         self.assertEqual(train_step(other, other_optim, inputs), train_step(model, optim, inputs))
 
+    def test_buffers_keep_their_dtype_under_mixed_precision(self):
+        """``buffer_dtype`` casts buffers at the first forward; full and sharded state dicts
+        hold them in their own dtype again, local ones as cast: as torch's do."""
+        base = _blocks()
+        self.sync_module_states(base)
+        mixed = dict(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+        torch_model = TorchFSDP(
+            copy.deepcopy(base),
+            auto_wrap_policy=TorchModuleWrapPolicy({MLP}),
+            device_id=torch.device("cpu"),
+            mixed_precision=TorchMixedPrecision(**mixed),
+        )
+        model = wrap(copy.deepcopy(base), mixed_precision=MixedPrecision(**mixed))
+        inputs = make_inputs(0, self.rank)
+        torch_model(inputs), model(inputs)
+        self.assertEqual(model.module.layers[0].module.buffer.dtype, torch.bfloat16)
+        for kind, torch_kind in zip(StateDictType, TorchStateDictType):
+            with TorchFSDP.state_dict_type(torch_model, torch_kind):
+                expected = torch_model.state_dict()
+            with FSDP.state_dict_type(model, kind):
+                state = model.state_dict()
+            for name in BUFFERS:
+                dtype = torch.bfloat16 if kind is LOCAL else torch.float32
+                self.assertEqual(state[name].dtype, expected[name].dtype, f"{kind}: {name}")
+                self.assertEqual(state[name].dtype, dtype, f"{kind}: {name}")
+                rounded = base.get_buffer(name).to(torch.bfloat16).to(dtype)
+                self.assertTrue(torch.equal(state[name], rounded), f"{kind}: {name}")
+        self.assertEqual(model.module.layers[0].module.buffer.dtype, torch.bfloat16)
+
+    def test_state_dict_between_forward_and_backward_under_mixed_precision(self):
+        """Between forward and backward the state dict opens the summon window: full
+        precision values, and the backward that follows is the one it would have been."""
+        self.run_subtests(
+            {"strategy": [FULL_SHARD, SHARD_GRAD_OP], "use_orig_params": [False, True]},
+            self._test_state_dict_in_forward_backward,
+        )
+
+    def _test_state_dict_in_forward_backward(self, strategy, use_orig_params) -> None:
+        base = _blocks()
+        self.sync_module_states(base)
+        kwargs = dict(
+            sharding_strategy=strategy,
+            use_orig_params=use_orig_params,
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=True),
+        )
+        model, twin = wrap(copy.deepcopy(base), **kwargs), wrap(copy.deepcopy(base), **kwargs)
+        optim, twin_optim = adam(model.parameters()), adam(twin.parameters())
+        inputs = make_inputs(0, self.rank)
+        loss, twin_loss = sum_loss(model(inputs)), sum_loss(twin(inputs))
+        for kind in (FULL, SHARDED):
+            with FSDP.state_dict_type(model, kind):
+                state = model.state_dict()
+            self.assertEqual(list(state), list(base.state_dict()), kind)
+            for name, value in base.state_dict().items():
+                saved = _local_tensors(state[name])[0]
+                if isinstance(state[name], ShardedTensor):
+                    value = value.chunk(self.world_size)[self.rank]
+                self.assertEqual(saved.dtype, torch.float32, f"{kind}: {name}")
+                self.assertTrue(torch.equal(saved, value), f"{kind}: {name}")
+        loss.backward(), twin_loss.backward()
+        optim.step(), twin_optim.step()
+        for step in (1, 2):
+            step_inputs = make_inputs(step, self.rank)
+            expected = train_step(twin, twin_optim, step_inputs)
+            self.assertEqual(train_step(model, optim, step_inputs), expected)
+        twin_values = full_values(twin)
+        for name, value in full_values(model).items():
+            self.assertTrue(torch.equal(value, twin_values[name]), name)
+
+    def test_local_state_dict_of_an_unsharded_orig_params_group(self):
+        """SHARD_GRAD_OP keeps forward's full-size views until backward: a local state dict
+        then holds them beside the flat shard, like torch's, and the backward is unchanged."""
+        base = _blocks()
+        self.sync_module_states(base)
+        torch_model = TorchFSDP(
+            copy.deepcopy(base),
+            auto_wrap_policy=TorchModuleWrapPolicy({MLP}),
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+            sharding_strategy=TorchShardingStrategy.SHARD_GRAD_OP,
+        )
+        kwargs = dict(use_orig_params=True, sharding_strategy=SHARD_GRAD_OP)
+        model, twin = wrap(copy.deepcopy(base), **kwargs), wrap(copy.deepcopy(base), **kwargs)
+        optim, twin_optim = adam(model.parameters()), adam(twin.parameters())
+        inputs = make_inputs(0, self.rank)
+        loss, twin_loss = sum_loss(model(inputs)), sum_loss(twin(inputs))
+        torch_model(inputs)
+        self.assertEqual(model.module.proj.weight.shape, (DIM, DIM))  # unsharded
+        with TorchFSDP.state_dict_type(torch_model, TorchStateDictType.LOCAL_STATE_DICT):
+            expected = torch_model.state_dict()
+        with FSDP.state_dict_type(model, LOCAL):
+            state = model.state_dict()
+        self.assertEqual(list(state), list(expected))
+        for name, value in state.items():
+            self.assertIs(type(value), type(expected[name]), name)
+            for mine, theirs in zip(_local_tensors(value), _local_tensors(expected[name])):
+                self.assertEqual(mine.shape, theirs.shape, name)
+                self.assertTrue(torch.equal(mine, theirs), name)
+        loss.backward(), twin_loss.backward()
+        optim.step(), twin_optim.step()
+        step_inputs = make_inputs(1, self.rank)
+        expected_loss = train_step(twin, twin_optim, step_inputs)
+        self.assertEqual(train_step(model, optim, step_inputs), expected_loss)
+
     def test_dcp_model_state_dict_functions(self):
         """``get_model_state_dict``/``set_model_state_dict`` call ``state_dict`` and
         ``load_state_dict``: under SHARDED_STATE_DICT they round-trip DTensors."""
@@ -318,6 +433,49 @@ class TestWrapperStateDict(FSDPTestMultiThread):
         FSDP.set_state_dict_type(other, SHARDED, ShardedStateDictConfig(_use_dtensor=True))
         set_model_state_dict(other, state)
         check_state_dict_parity(self, ref, other)
+
+
+class TestWrapperHybridStateDict(FSDPTestMultiThread):
+    """HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on 2 replicas of 2 shards: every state-dict type
+    round-trips, and full state dicts hold the reference's values."""
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def _groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        return mesh.get_group("shard"), mesh.get_group("replicate")
+
+    def test_round_trips(self):
+        groups = self._groups()
+        for strategy in HYBRID:
+            kwargs = dict(sharding_strategy=strategy, process_group=groups)
+            for kind in (FULL, SHARDED, LOCAL):
+                with self.subTest(strategy=strategy, kind=kind):
+                    TestWrapperStateDict._check_round_trip(self, kind, **kwargs)
+
+    def test_full_values_and_sharded_layout(self):
+        groups = self._groups()
+        for strategy in HYBRID:
+            for use_orig_params in (False, True):
+                ref, ref_optim, model, optim = trained(
+                    use_orig_params, 4, steps=2, sharding_strategy=strategy, process_group=groups
+                )
+                state, optim_state = save(model, optim, FULL)
+                for name, value in ref.state_dict().items():
+                    torch.testing.assert_close(state[name], value, msg=name)
+                ref_state = ref_optim.state_dict()["state"]
+                for index, (name, _) in enumerate(ref.named_parameters()):
+                    torch.testing.assert_close(
+                        optim_state["state"][name]["exp_avg"], ref_state[index]["exp_avg"]
+                    )
+                state, _ = save(model, optim, SHARDED)
+                weight = state["layers.0.in_proj.weight"]  # 24 rows over 2 shard ranks, nested
+                self.assertEqual(weight.local_shards()[0].tensor.shape, (12, DIM))
+                shard_rank = self.rank % 2
+                expected = ref.state_dict()["layers.0.in_proj.weight"].chunk(2)[shard_rank]
+                torch.testing.assert_close(weight.local_shards()[0].tensor, expected)
 
 
 # -- across world sizes (rank threads of two runs share memory) ---------------------------------

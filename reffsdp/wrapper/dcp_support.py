@@ -1,0 +1,219 @@
+"""``torch.distributed.checkpoint.state_dict`` for the wrapper API.
+
+[Note: DCP's state-dict functions and this wrapper]
+``get_state_dict``/``set_state_dict`` (and the model and optimizer halves) recognise torch's
+wrapper by looking up module-level names of ``torch.distributed.checkpoint.state_dict``:
+
+* ``FSDP`` (torch's ``FullyShardedDataParallel``): ``isinstance`` checks when walking names
+  (``_get_fqns``), ``FSDP.fsdp_modules(model)`` to decide whether the model is sharded,
+  ``FSDP.state_dict_type`` around ``model.state_dict()``/``load_state_dict()``,
+  ``FSDP.optim_state_dict`` and ``FSDP.optim_state_dict_to_load`` for the optimizer;
+* ``_get_module_fsdp_state_if_fully_sharded_module``: a check that each such module has
+  wrapper state.
+
+A model of this package's wrappers passes none of them, and DCP then treats it as an
+unsharded module: every rank saves its own shards of the optimizer state as if they were
+whole. :func:`install` therefore replaces those two names, once per process, with stand-ins
+that send a model holding this package's wrappers to its own ``state_dict_type``,
+``optim_state_dict`` and ``optim_state_dict_to_load`` (translating torch's ``StateDictType``
+and config objects into ours, field for field) and everything else to the object DCP had.
+``isinstance(x, stand_in)`` holds for instances of either class. A model mixing both kinds
+of wrapper is refused with an error.
+
+The stand-ins are installed when the first wrapper is built (importing DCP's module if
+needed, which imports torch's FSDP package: DCP's own dependency, never used here). When
+DCP's module lacks the names (another torch version), nothing is replaced and a
+``UserWarning`` says to use ``FullyShardedDataParallel.state_dict_type``, ``state_dict()``
+and ``FullyShardedDataParallel.optim_state_dict`` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch.nn as nn
+
+from .. import api
+from ..api import ShardingStrategy
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+_WRAPPER_NAME = "FSDP"
+_STATE_GETTER_NAME = "_get_module_fsdp_state_if_fully_sharded_module"
+
+_lock = threading.Lock()
+_installed = False
+
+
+def install() -> None:
+    """Teach DCP's state-dict functions about this package's wrapper (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    with _lock:
+        if _installed:
+            return
+        try:
+            module = importlib.import_module(DCP_STATE_DICT)
+        except ImportError:
+            module = None
+        original = getattr(module, _WRAPPER_NAME, None)
+        state_getter = getattr(module, _STATE_GETTER_NAME, None)
+        if not isinstance(original, type) or not callable(state_getter):
+            warnings.warn(
+                f"{DCP_STATE_DICT} is missing or has no {_WRAPPER_NAME!r} class or "
+                f"{_STATE_GETTER_NAME!r} to extend in this torch version, so its "
+                "get_state_dict/set_state_dict do not "
+                "recognise reffsdp.FullyShardedDataParallel. Use "
+                "FullyShardedDataParallel.state_dict_type() with model.state_dict()/"
+                "load_state_dict() and FullyShardedDataParallel.optim_state_dict()/"
+                "optim_state_dict_to_load() instead",
+                stacklevel=4,
+            )
+        elif not isinstance(original, _StandInMeta):
+            setattr(module, _WRAPPER_NAME, _stand_in(original))
+            setattr(module, _STATE_GETTER_NAME, _state_getter(state_getter))
+        _installed = True
+
+
+# -- the stand-ins ----------------------------------------------------------------------------
+
+
+class _StandInMeta(type):
+    """``isinstance`` for either wrapper class; other class attributes from torch's."""
+
+    original: type
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, (cls.original, _ours()))
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, (cls.original, _ours()))
+
+    def __getattr__(cls, name: str) -> Any:
+        return getattr(cls.original, name)
+
+
+def _stand_in(original: type) -> type:
+    """A class standing in for torch's wrapper class in DCP's module."""
+
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[nn.Module]:
+        ours = _our_instances(module, original)
+        if ours:
+            return _ours().fsdp_modules(module, root_only)
+        return original.fsdp_modules(module, root_only)
+
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: Any,
+        state_dict_config: Any = None,
+        optim_state_dict_config: Any = None,
+    ) -> Iterator[None]:
+        if not _our_instances(module, original):
+            with original.state_dict_type(
+                module, state_dict_type, state_dict_config, optim_state_dict_config
+            ):
+                yield
+            return
+        from . import state_dict
+
+        with state_dict.state_dict_type(
+            module,
+            api.StateDictType[state_dict_type.name],
+            _our_config(state_dict_config),
+            _our_config(optim_state_dict_config),
+            warn=False,
+        ):
+            yield
+
+    def optim_state_dict(model, optim, optim_state_dict=None, group=None):
+        ours = _our_instances(model, original)
+        if not ours:
+            return original.optim_state_dict(model, optim, optim_state_dict, group=group)
+        return _ours().optim_state_dict(model, optim, optim_state_dict, group=_group(ours, group))
+
+    def optim_state_dict_to_load(
+        model, optim, optim_state_dict, is_named_optimizer=False, load_directly=False,
+        group=None,
+    ):  # fmt: skip
+        ours = _our_instances(model, original)
+        if not ours:
+            return original.optim_state_dict_to_load(
+                model, optim, optim_state_dict, is_named_optimizer, load_directly, group
+            )
+        return _ours().optim_state_dict_to_load(
+            model, optim, optim_state_dict, is_named_optimizer, load_directly, _group(ours, group)
+        )
+
+    namespace: dict[str, Any] = {
+        "original": original,
+        "__doc__": f"{original.__qualname__} or reffsdp's FullyShardedDataParallel",
+        "fsdp_modules": staticmethod(fsdp_modules),
+        "state_dict_type": staticmethod(state_dict_type),
+        "optim_state_dict": staticmethod(optim_state_dict),
+        "optim_state_dict_to_load": staticmethod(optim_state_dict_to_load),
+    }
+    return _StandInMeta(original.__name__, (), namespace)
+
+
+def _state_getter(original: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
+    """DCP's "wrapper state of this module" lookup: our instances are their own state,
+    initialized first so that ``_is_root`` is known (DCP asks it for outermost ones first)."""
+
+    def get_state(module: nn.Module) -> Any:
+        if not isinstance(module, _ours()):
+            return original(module)
+        module._lazy_init()
+        return module
+
+    return get_state
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _ours() -> type[FullyShardedDataParallel]:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
+
+
+def _our_instances(module: nn.Module, original: type) -> list[FullyShardedDataParallel]:
+    """This package's wrappers under ``module``; an error if torch's are there too."""
+    ours = _ours().fsdp_modules(module)
+    if ours and any(isinstance(m, original) for m in module.modules()):
+        raise ValueError(
+            f"{type(module).__name__} holds both torch's FullyShardedDataParallel and "
+            "reffsdp's; torch.distributed.checkpoint.state_dict handles one kind per model"
+        )
+    return ours
+
+
+def _our_config(config: Any) -> Any:
+    """Torch's ``*StateDictConfig`` as ours (same class name and fields); ours as is."""
+    if config is None or type(config).__module__ == api.__name__:
+        return config
+    ours = getattr(api, type(config).__name__, None)
+    if ours is None or not dataclasses.is_dataclass(config):
+        raise TypeError(f"no reffsdp counterpart of {type(config).__qualname__}")
+    return ours(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+
+
+def _group(instances: list[FullyShardedDataParallel], group: Any) -> Any:
+    """DCP passes the root's group, or ``None`` for torch's hybrid strategies: the same for
+    ours (the optimizer state dict's rank 0 is then the global rank 0, as in torch)."""
+    if any(i.sharding_strategy in _HYBRID for i in instances):
+        return None
+    return group
+
+
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
