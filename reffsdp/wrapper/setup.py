@@ -194,10 +194,9 @@ def _hybrid_mesh(process_group: Any, device_mesh: DeviceMesh | None, device_type
 
 def _all_gather_ranks(shard_ranks: list[int], replicate_group: dist.ProcessGroup):
     """Every replica's shard-group ranks, as rows (gathered over the replicate group)."""
-    mine = torch.tensor(shard_ranks, dtype=torch.int64)
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(replicate_group))]
-    dist.all_gather(rows, mine, group=replicate_group)
-    return [row.tolist() for row in rows]
+    rows: list[Any] = [None] * dist.get_world_size(replicate_group)
+    comms.all_gather_object(rows, shard_ranks, replicate_group)
+    return rows
 
 
 def _check_tiling(
