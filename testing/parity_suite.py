@@ -627,3 +627,8 @@ __all__ = [
     "run_scenario",
     "run_suite",
 ]
+
+
+from .self_test import SelfTestResult, run_self_test  # noqa: E402 - part of this API
+
+__all__ += ["SelfTestResult", "run_self_test"]
