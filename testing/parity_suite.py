@@ -27,12 +27,15 @@ the length of training only (state-dict saving and loading are not a training st
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import queue
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -310,6 +313,22 @@ def _check_comms(
 BugFactory = Callable[[], AbstractContextManager[Any]]
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Keep expected noise out of the suite's output: the deprecation warnings the
+    wrapper's state-dict API repeats from torch's, and DTensor's note that gathering a full
+    tensor of a 2-D sharded parameter takes two all-gathers (the full state dicts)."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            yield
+    finally:
+        logger.setLevel(level)
+
+
 def _crashed(spec: ScenarioSpec, options: SuiteOptions, message: str, seconds: float):
     info = _info(spec, options)
     return ScenarioResult(
@@ -337,7 +356,7 @@ def _run_threaded_one(
 
     start = time.perf_counter()
     try:
-        with bug() if bug is not None else nullcontext():
+        with _quiet(), bug() if bug is not None else nullcontext():
             run_threaded(rank_main, world_size, timeout_s=_SCENARIO_TIMEOUT_S)
     except RankFailure as failure:
         message = "error: " + _short_error(failure)
@@ -404,7 +423,7 @@ def _process_main(
             else:
                 start = time.perf_counter()
                 try:
-                    with bug() if bug is not None else nullcontext():
+                    with _quiet(), bug() if bug is not None else nullcontext():
                         result = run_scenario(
                             spec,
                             options.device_for(rank),
