@@ -271,6 +271,8 @@ def run_scenario(
             ref_model = copy.deepcopy(built.ref_model)
             diffs = _merge(diffs, _train(built, fresh, ref_model, after, tally).diffs)
     except AssertionError as error:
+        if not hasattr(error, "parity"):  # not the checker's (agreed) verdict: a crash
+            raise
         result.status = "failed"
         result.message = describe_parity_failure(error)
         diffs = _merge(diffs, getattr(error, "parity", None))

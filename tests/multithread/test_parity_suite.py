@@ -212,3 +212,22 @@ def test_the_readme_example_runs():
             namespace["test_tiny_net_matches_ddp"](scenario)
             chosen.remove(scenario.name)
     assert not chosen
+
+
+def test_a_crash_on_one_rank_fails_the_scenario_without_waiting_for_the_others(monkeypatch):
+    import torch.distributed as dist
+
+    from reffsdp.core.param_group import ParamGroup
+
+    original = ParamGroup.post_backward
+
+    def post_backward(self):
+        if dist.get_rank() == 1:
+            raise RuntimeError("planted crash on rank 1")
+        original(self)
+
+    monkeypatch.setattr(ParamGroup, "post_backward", post_backward)
+    (result,) = run_suite(SuiteOptions(only=("fully_shard/1d/bf16/mlp",)))
+    assert result.status == "failed"
+    assert result.message.startswith("error: RuntimeError: planted crash on rank 1"), result.message
+    assert result.seconds < 60
