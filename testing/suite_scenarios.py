@@ -441,11 +441,8 @@ def _state_dict_reload(spec: ScenarioSpec, device: torch.device, seed: int, mesh
     return reload
 
 
-def build_scenario(
-    spec: ScenarioSpec, device: torch.device, *, seed: int = 0, steps: int = 3
-) -> BuiltScenario:
+def build_scenario(spec: ScenarioSpec, device: torch.device, *, seed: int = 0) -> BuiltScenario:
     """Build ``spec`` on this rank; every rank of the default group calls it together."""
-    del steps  # every scenario trains the steps the engine asks for
     mesh = _make_mesh(spec.mesh, device.type, spec.api)
     model = _new_model(spec, device, seed)
     _freeze(spec, model)
