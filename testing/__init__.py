@@ -3,6 +3,7 @@
 Downstream projects import it as ``reffsdp.testing``::
 
     from reffsdp.testing import FSDPTest, FSDPTestMultiThread, check_sharded_parity
+    from reffsdp.testing import check_train_parity, parity_scenarios
 
 ``python -m reffsdp.testing`` runs the parity suite (sharded training against DDP).
 """
@@ -27,7 +28,9 @@ from .multiprocess import FSDPTest
 from .multithread import FSDPTestMultiThread, run_threaded
 from .parity import (
     LowPrecisionCompute,
+    ParityDiffs,
     Passthrough,
+    TrainParity,
     all_reduce_off,
     broadcast_params_from_rank0,
     check_sharded_parity,
@@ -37,9 +40,11 @@ from .parity import (
     sgd_with_momentum,
     sum_loss,
 )
+from .parity_suite import ParityScenario, parity_scenarios
 from .patching import (
     count_all_gathers,
     observe_all_gathers,
+    observe_collectives,
     observe_reduce_scatters,
     patch_all_gather,
     patch_all_reduce,
@@ -50,7 +55,10 @@ from .patching import (
 __all__ = [
     "MLP",
     "LowPrecisionCompute",
+    "ParityDiffs",
+    "ParityScenario",
     "Passthrough",
+    "TrainParity",
     "CommCounter",
     "ConvNet",
     "DistributedTestMixin",
@@ -77,7 +85,9 @@ __all__ = [
     "mesh_dp_tp",
     "mesh_hsdp",
     "mesh_nd",
+    "parity_scenarios",
     "observe_all_gathers",
+    "observe_collectives",
     "observe_reduce_scatters",
     "patch_all_gather",
     "patch_all_reduce",

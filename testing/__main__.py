@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import time
 
-from .parity_suite import run_in_processes, run_in_threads
+from .parity_suite import SuiteOptions, run_self_test, run_suite
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,8 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--backend",
         choices=("gloo", "nccl", "threaded"),
-        default="gloo",
-        help="gloo/nccl: one process per rank; threaded: one thread per rank",
+        default="threaded",
+        help="threaded: one thread per rank; gloo/nccl: one process per rank",
     )
     parser.add_argument(
         "--device",
@@ -29,22 +27,29 @@ def main(argv: list[str] | None = None) -> int:
         default="cpu",
         help="device for the threaded backend (gloo is CPU, nccl CUDA)",
     )
-    parser.add_argument("--only", default=None, help="run scenarios whose name contains this")
+    parser.add_argument("--only", action="append", default=[], help="glob on scenario names")
+    parser.add_argument("--self-test", action="store_true", help="plant bugs; each must be caught")
     args = parser.parse_args(argv)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        args.result_path = os.path.join(tmp, "result.txt")
-        start = time.perf_counter()
-        if args.backend == "threaded":
-            run_in_threads(args)
-        else:
-            run_in_processes(args)
-        with open(args.result_path) as file:
-            report = file.read()
-    *lines, verdict = report.strip().splitlines()
-    print("\n".join(lines))
+    options = SuiteOptions(
+        backend=args.backend,
+        device=args.device,
+        world_size=args.world_size,
+        only=tuple(args.only),
+    )
+    start = time.perf_counter()
+    if args.self_test:
+        results = run_self_test(
+            options,
+            lambda r: print(f"  {r.api:<12} {r.bug:<45} {'caught' if r.caught else 'MISSED'}"),
+        )
+        ok = all(r.caught for r in results)
+    else:
+        results = run_suite(
+            options, lambda r: print(f"  {r.name:<45} {r.status:<7} {r.message}".rstrip())
+        )
+        ok = not any(r.status == "failed" for r in results)
     print(f"parity suite took {time.perf_counter() - start:.1f} s")
-    return 0 if verdict == "OK" else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -293,3 +293,53 @@ def init_deterministic(module: nn.Module, seed: int = 0) -> nn.Module:
         for param in module.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.5 + 0.1)
     return module
+
+
+class CheckpointedMLPStack(MLPStack):
+    """:class:`MLPStack` whose blocks recompute their activations in backward
+    (non-reentrant activation checkpointing around each block's call)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self:
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+class TiedMLPStack(nn.Module):
+    """``proj``, an :class:`MLPStack` (``blocks``), and ``head``, which shares ``proj``'s
+    weight: tied weights that need no embedding, so tensor parallelism can shard the blocks
+    while the tied pair stays whole (``named_parameters`` reports it as ``proj.weight``)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.blocks = MLPStack(dim)
+        self.head = nn.Linear(dim, dim, bias=False)
+        self.head.weight = self.proj.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.proj(x)))
+
+
+class SmoothMLP(MLP):
+    """:class:`MLP` with GELU instead of ReLU: no activation switches on or off when a
+    low-precision rounding moves a pre-activation across zero, so two computations that
+    round differently (tensor-parallel partial sums against a whole matmul) stay close."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = F.gelu(self.in_proj(x))
+        z = F.gelu(self.out_proj(z))
+        if self.buffer is not None:
+            z = z + self.buffer
+        return z
+
+
+class SmoothMLPStack(nn.Sequential):
+    """:class:`MLPStack`'s three blocks (``3d``, ``4d``, ``3d`` hidden) as :class:`SmoothMLP`."""
+
+    def __init__(self, mlp_dim: int) -> None:
+        super().__init__(
+            SmoothMLP(mlp_dim, dim_multiplier=3),
+            SmoothMLP(mlp_dim),
+            SmoothMLP(mlp_dim, dim_multiplier=3),
+        )

@@ -35,6 +35,7 @@ line naming the failing ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import unittest
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -133,7 +134,7 @@ def check_train_parity(
     ddp_kwargs: Mapping[str, Any] | None = None,
     rtol: float | None = None,
     atol: float | None = None,
-) -> list[float]:
+) -> TrainParity:
     """Train ``sharded_model`` and a DDP copy side by side; check they agree at every step.
 
     ``ref_model`` is the unsharded twin of ``sharded_model``: the caller deep-copies the
@@ -157,7 +158,10 @@ def check_train_parity(
     With ``no_sync``, all but the last run inside ``no_sync(sharded_model)`` for the sharded
     model and ``ddp.no_sync()`` for the reference. Checked: parameters before training;
     every microbatch's loss; gradients after backward; parameters after the optimizer step.
-    Returns this rank's loss per step, summed over microbatches.
+    Returns this rank's loss per step, summed over microbatches, as a :class:`TrainParity`
+    (a list) that also carries the largest differences seen on any rank and the tolerances
+    they were held to. A failure raises ``AssertionError`` (or fails ``test_case``); the
+    exception carries this rank's differences so far as ``error.parity``.
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
@@ -167,6 +171,8 @@ def check_train_parity(
     ref_optim = optimizer_factory(ddp_model.parameters())
     optim = optimizer_factory(sharded_model.parameters())
 
+    diffs = ParityDiffs()
+
     def check_params(when: str) -> None:
         problems = _param_problems(
             ref_model,
@@ -175,30 +181,91 @@ def check_train_parity(
             require_dtensor=False,
             rtol=rtol,
             atol=atol,
+            diffs=diffs,
         )
         _agree_and_report(test_case, f"check_train_parity, {when}", problems)
 
     ddp_no_sync = (lambda _: ddp_model.no_sync()) if no_sync is not None else None
-    check_params("before training")
     rank = dist.get_rank()
     step_losses = []
-    for step in range(num_steps):
-        first = step * num_microbatches
-        inputs = [make_inputs(i, rank) for i in range(first, first + num_microbatches)]
-        ref_optim.zero_grad()
-        optim.zero_grad()
-        ref_losses = _forward_backward(ddp_model, inputs, loss_fn, ddp_no_sync)
-        losses = _forward_backward(sharded_model, inputs, loss_fn, no_sync)
-        loss_problems = _loss_problems(losses, ref_losses, rtol, atol)
-        _agree_and_report(test_case, f"check_train_parity, step {step} losses", loss_problems)
-        check_params(f"step {step} after backward")
-        if step == 0:
-            _check_gradients_not_vacuous(ref_model)
-        ref_optim.step()
-        optim.step()
-        check_params(f"step {step} after the optimizer step")
-        step_losses.append(sum(_full(loss).item() for loss in losses))
-    return step_losses
+    try:
+        check_params("before training")
+        for step in range(num_steps):
+            first = step * num_microbatches
+            inputs = [make_inputs(i, rank) for i in range(first, first + num_microbatches)]
+            ref_optim.zero_grad()
+            optim.zero_grad()
+            ref_losses = _forward_backward(ddp_model, inputs, loss_fn, ddp_no_sync)
+            losses = _forward_backward(sharded_model, inputs, loss_fn, no_sync)
+            loss_problems = _loss_problems(losses, ref_losses, rtol, atol, diffs)
+            _agree_and_report(test_case, f"check_train_parity, step {step} losses", loss_problems)
+            check_params(f"step {step} after backward")
+            if step == 0:
+                _check_gradients_not_vacuous(ref_model)
+            ref_optim.step()
+            optim.step()
+            check_params(f"step {step} after the optimizer step")
+            step_losses.append(sum(_full(loss).item() for loss in losses))
+    except AssertionError as error:
+        error.parity = diffs  # type: ignore[attr-defined]
+        raise
+    return TrainParity(step_losses, diffs.agreed())
+
+
+@dataclasses.dataclass
+class ParityDiffs:
+    """The largest absolute differences a parity check saw, and the tolerances it used.
+
+    ``None`` for a kind never compared. Each rank keeps its own until :meth:`agreed`, a
+    collective, takes the maximum over the ranks of the default group.
+    """
+
+    max_loss_diff: float | None = None
+    max_grad_diff: float | None = None
+    max_param_diff: float | None = None
+    rtol: float | None = None
+    atol: float | None = None
+
+    def observe(
+        self, kind: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float
+    ) -> None:
+        """Record ``max |actual - expected|`` for ``kind`` ("loss", "grad" or "param")."""
+        field = f"max_{kind}_diff"
+        diff = (actual.detach().double() - expected.detach().double()).abs()
+        value = diff.max().item() if diff.numel() else 0.0
+        previous = getattr(self, field)
+        setattr(self, field, value if previous is None else max(previous, value))
+        self.rtol = rtol if self.rtol is None else max(self.rtol, rtol)
+        self.atol = atol if self.atol is None else max(self.atol, atol)
+
+    def agreed(self) -> ParityDiffs:
+        """The maximum of every field over the ranks (every rank must call this together)."""
+        names = [f.name for f in dataclasses.fields(self)]
+        values = [getattr(self, name) for name in names]
+        tensor = torch.tensor([-1.0 if v is None else v for v in values], device=_flag_device())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return ParityDiffs(*[None if v < 0 else v for v in tensor.tolist()])
+
+
+class TrainParity(list):
+    """What :func:`check_train_parity` returns: this rank's loss per step (a list, as it
+    always was) with the differences every rank saw as :attr:`diffs`."""
+
+    def __init__(self, losses: Iterable[float], diffs: ParityDiffs) -> None:
+        super().__init__(losses)
+        self.diffs = diffs
+
+    @property
+    def max_loss_diff(self) -> float | None:
+        return self.diffs.max_loss_diff
+
+    @property
+    def max_grad_diff(self) -> float | None:
+        return self.diffs.max_grad_diff
+
+    @property
+    def max_param_diff(self) -> float | None:
+        return self.diffs.max_param_diff
 
 
 class VacuousParityWarning(UserWarning):
@@ -373,11 +440,12 @@ def _param_problems(
     require_dtensor: bool,
     rtol: float | None,
     atol: float | None,
+    diffs: ParityDiffs | None = None,
 ) -> list[str]:
     """One line per parameter or gradient of ``model`` that differs from ``ref_model``."""
     unflattened = unflattened_params(model, prefixes_to_ignore)
     if unflattened is not None:
-        return _unflattened_problems(ref_model, unflattened, rtol=rtol, atol=atol)
+        return _unflattened_problems(ref_model, unflattened, rtol=rtol, atol=atol, diffs=diffs)
     ref_named = list(ref_model.named_parameters())
     named = list(model.named_parameters())
     ref_names = [name for name, _ in ref_named]
@@ -389,7 +457,9 @@ def _param_problems(
         if not isinstance(param, DTensor) and require_dtensor:
             problems.append(f"{name!r} is a {type(param).__name__}, expected a DTensor")
             continue
-        problems += _tensor_problems(f"param {name!r}", ref_param, param, param, rtol, atol)
+        problems += _tensor_problems(
+            f"param {name!r}", ref_param, param, param, rtol, atol, diffs, "param"
+        )
         if ref_param.grad is None or param.grad is None:
             if (ref_param.grad is None) != (param.grad is None):
                 problems.append(
@@ -399,7 +469,7 @@ def _param_problems(
                 )
             continue
         problems += _tensor_problems(
-            f"grad of {name!r}", ref_param.grad, param.grad, param, rtol, atol
+            f"grad of {name!r}", ref_param.grad, param.grad, param, rtol, atol, diffs, "grad"
         )
     return problems
 
@@ -411,6 +481,8 @@ def _tensor_problems(
     param: torch.Tensor,
     rtol: float | None,
     atol: float | None,
+    diffs: ParityDiffs | None = None,
+    kind: str = "param",
 ) -> list[str]:
     """Compare ``actual`` with ``ref`` cut the way ``param`` is sharded (if it is a DTensor)."""
     where = f"{what} on rank {dist.get_rank()}"
@@ -430,14 +502,22 @@ def _tensor_problems(
         actual = actual.to_local()
     else:
         expected = ref
-    mismatch = _mismatch(actual.detach(), expected.detach(), rtol, atol)
+    mismatch = _mismatch(actual.detach(), expected.detach(), rtol, atol, diffs, kind)
     return [f"{where}: {mismatch}"] if mismatch else []
 
 
 def _mismatch(
-    actual: torch.Tensor, expected: torch.Tensor, rtol: float | None, atol: float | None
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    rtol: float | None,
+    atol: float | None,
+    diffs: ParityDiffs | None = None,
+    kind: str = "param",
 ) -> str | None:
-    """How ``actual`` differs from ``expected``, or ``None`` when they are close."""
+    """How ``actual`` differs from ``expected``, or ``None`` when they are close.
+
+    With ``diffs``, the largest difference is recorded there as ``kind``.
+    """
     if actual.shape != expected.shape:
         return f"shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
     if actual.dtype != expected.dtype:
@@ -445,6 +525,8 @@ def _mismatch(
     default_rtol, default_atol = _DEFAULT_TOLERANCES.get(actual.dtype, (0.0, 0.0))
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
+    if diffs is not None:
+        diffs.observe(kind, actual, expected, rtol, atol)
     if torch.allclose(actual, expected, rtol=rtol, atol=atol, equal_nan=True):
         return None
     max_diff = (actual.double() - expected.double()).abs().max().item()
@@ -456,10 +538,11 @@ def _loss_problems(
     ref_losses: list[torch.Tensor],
     rtol: float | None,
     atol: float | None,
+    diffs: ParityDiffs | None = None,
 ) -> list[str]:
     problems = []
     for microbatch, (loss, ref_loss) in enumerate(zip(losses, ref_losses)):
-        mismatch = _mismatch(_full(loss), _full(ref_loss), rtol, atol)
+        mismatch = _mismatch(_full(loss), _full(ref_loss), rtol, atol, diffs, "loss")
         if mismatch:
             problems.append(
                 f"loss of microbatch {microbatch} on rank {dist.get_rank()}: "
@@ -656,6 +739,7 @@ def _unflattened_problems(
     *,
     rtol: float | None,
     atol: float | None,
+    diffs: ParityDiffs | None = None,
 ) -> list[str]:
     ref_named = dict(ref_model.named_parameters())
     if sorted(unflattened) != sorted(ref_named):
@@ -667,7 +751,7 @@ def _unflattened_problems(
     where = f"on rank {dist.get_rank()}"
     for name, ref_param in ref_named.items():
         param, grad = unflattened[name]
-        mismatch = _mismatch(param.detach(), ref_param.detach(), rtol, atol)
+        mismatch = _mismatch(param.detach(), ref_param.detach(), rtol, atol, diffs, "param")
         if mismatch:
             problems.append(f"param {name!r} {where}: {mismatch}")
         if ref_param.grad is None or grad is None:
@@ -677,7 +761,7 @@ def _unflattened_problems(
                     f"{_none_or_set(ref_param.grad)}"
                 )
             continue
-        mismatch = _mismatch(grad.detach(), ref_param.grad.detach(), rtol, atol)
+        mismatch = _mismatch(grad.detach(), ref_param.grad.detach(), rtol, atol, diffs, "grad")
         if mismatch:
             problems.append(f"grad of {name!r} {where}: {mismatch}")
     return problems

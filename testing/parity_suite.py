@@ -1,260 +1,655 @@
 """The parity suite: sharded training against ``DistributedDataParallel``, scenario by scenario.
 
-Each scenario builds a model, copies it for the DDP reference, shards the original with
-``reffsdp.fully_shard`` on some mesh, and runs :func:`check_train_parity` (losses, gradients
-and parameters compared at every step). Run it from the command line::
+Each scenario (see :mod:`reffsdp.testing.suite_scenarios` for the matrix) builds a model,
+copies it for the DDP reference, shards the original with ``fully_shard`` or the
+``FullyShardedDataParallel`` wrapper, and trains both with
+:func:`~reffsdp.testing.parity.check_train_parity` (losses, gradients and parameters
+compared at every step). Meanwhile every all-gather, reduce-scatter and all-reduce reffsdp
+issues is counted and sized (see [Note: bytes sent per rank] in
+:mod:`reffsdp.testing.expected_comms`). A scenario passes when the numbers agree AND the
+collectives per step equal the expected counts AND the bytes sent equal the analytic
+minimum::
 
-    python -m reffsdp.testing                      # gloo processes on CPU, 4 ranks
-    python -m reffsdp.testing --world-size 2 --only mlp
-    python -m reffsdp.testing --backend threaded --device cuda   # one GPU, 4 threads
+    from reffsdp.testing.parity_suite import SuiteOptions, run_suite
+    results = run_suite(SuiteOptions(backend="threaded", mesh=("1d",)))
 
-Meshes: 1D, HSDP ``(2, n/2)``, and ND with tensor parallelism ``(n/2, tp=2)`` and
-``(2, n/4, tp=2)``. Scenarios that need more ranks than ``--world-size`` (HSDP and 2D
-need an even number >= 4, the 3D mesh 8) are skipped. The exit code is non-zero when any
-scenario fails.
+Backends: ``threaded`` (one process, a thread per rank; each scenario gets a world of its
+own size, so the 8-rank 3-D mesh always runs; ``device="cuda"`` puts every rank on one GPU),
+``gloo`` (a process per rank on CPU) and ``nccl`` (a process per GPU). Process backends run
+every scenario on ``world_size`` ranks and skip those whose mesh does not fit.
+
+[Note: why the engine counts through the comms seam]
+A ``CommCounter`` would also count DDP's all-reduces, the parity check's own verdict
+all-reduces and DTensor's tensor-parallel collectives, none of which FSDP issued. The
+engine observes reffsdp's single collective seam (:mod:`reffsdp.core.comms`) instead, for
+the length of training only (state-dict saving and loading are not a training step).
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import dataclasses
+import logging
 import os
+import queue
 import tempfile
+import time
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from fractions import Fraction
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    parallelize_module,
+
+from .expected_comms import CommTally, expected_per_step
+from .parity import ParityDiffs, check_train_parity
+from .patching import observe_collectives
+from .suite_scenarios import (
+    APIS,
+    MESHES,
+    WRAPPER_MESHES,
+    BuiltScenario,
+    CustomModel,
+    ScenarioSpec,
+    all_specs,
+    build_scenario,
+    select,
 )
 
-from reffsdp import MixedPrecisionPolicy, fully_shard
-
-from .inputs import random_inputs, random_tokens
-from .meshes import mesh_1d, mesh_dp_tp, mesh_hsdp, mesh_nd
-from .models import ConvNet, MLPStack, ModelArgs, Transformer, init_deterministic
-from .parity import check_train_parity, gradient_sync_off
+BACKENDS = ("threaded", "gloo", "nccl")
+_SCENARIO_TIMEOUT_S = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
-class Scenario:
-    name: str
-    run: Callable[[torch.device], None]
-    min_world_size: int = 1
-    needs_even_world: bool = False
+class SuiteOptions:
+    backend: str = "threaded"  # "threaded" | "gloo" | "nccl"
+    device: str = "cpu"  # "cpu" | "cuda" (threaded backend; gloo=cpu, nccl=cuda)
+    world_size: int = 4  # ranks for 1-D/HSDP/2-D; threaded 3-D scenarios get 8
+    api: tuple[str, ...] = ()  # subset of APIS; () = all
+    mesh: tuple[str, ...] = ()  # subset of MESHES; () = all
+    only: tuple[str, ...] = ()  # fnmatch globs on scenario names; () = all
+    exclude: tuple[str, ...] = ()  # fnmatch globs
+    steps: int = 3
+    seed: int = 0
 
-    def applies_to(self, world_size: int) -> bool:
-        if world_size < self.min_world_size:
-            return False
-        return not self.needs_even_world or world_size % 2 == 0
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be at least 1, got {self.steps}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {self.world_size}")
 
+    @property
+    def resizes_worlds(self) -> bool:
+        return self.backend == "threaded"
 
-def _same_on_all_ranks(model: nn.Module) -> nn.Module:
-    """Broadcast rank 0's parameters and buffers (threaded ranks share one RNG)."""
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src=0)
-    return model
-
-
-def _mlp_stack(mesh_fn: Callable[[], Any], reshard: bool | int | None, **fsdp_kwargs: Any):
-    def run(device: torch.device) -> None:
-        model = init_deterministic(MLPStack(7)).to(device)
-        ref = copy.deepcopy(model)
-        mesh = mesh_fn()
-        for block in model:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **fsdp_kwargs)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **fsdp_kwargs)
-        check_train_parity(None, ref, model, random_inputs(3, 7, device=device), num_steps=3)
-
-    return run
-
-
-def _transformer(mesh_fn: Callable[[], Any], **args: Any):
-    def run(device: torch.device) -> None:
-        model_args = ModelArgs(**args)
-        model = _same_on_all_ranks(Transformer(model_args).to(device))
-        ref = copy.deepcopy(model)
-        mesh = mesh_fn()
-        for block in model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        make = random_tokens(model_args.vocab_size, 2, 8, device=device)
-        check_train_parity(None, ref, model, make, num_steps=3)
-
-    return run
+    def device_for(self, rank: int) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", rank)
+        if self.backend == "gloo":
+            return torch.device("cpu")
+        return torch.device(self.device)
 
 
-def _tensor_parallel(replicate: int):
-    """MLP blocks with colwise/rowwise tensor parallelism (tp = 2), sharded by FSDP on the
-    data-parallel dims: a ``(dp_shard, tp)`` mesh, or ``(dp_replicate, dp_shard, tp)``."""
-
-    def run(device: torch.device) -> None:
-        tp = 2
-        shard = dist.get_world_size() // (replicate * tp)
-        if replicate == 1:
-            mesh = mesh_dp_tp(shard, tp, device.type)
-            dp_mesh = mesh["dp_shard"]
-        else:
-            mesh = mesh_nd(replicate, shard, tp, device.type)
-            dp_mesh = mesh["dp_replicate", "dp_shard"]
-        model = init_deterministic(MLPStack(8)).to(device)
-        ref = copy.deepcopy(model)
-        plan = {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
-        for block in model:
-            parallelize_module(block, mesh["tp"], plan)
-            fully_shard(block, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
-        # Ranks of one tensor-parallel group (consecutive ranks) see the same batch.
-        make = random_inputs(3, 8, device=device, same_within=tp)
-        check_train_parity(None, ref, model, make, num_steps=3)
-
-    return run
-
-
-def _convnet(device: torch.device) -> None:
-    model = _same_on_all_ranks(ConvNet(width=4).to(device))
-    ref = copy.deepcopy(model)
-    fully_shard(model, mesh=mesh_1d(device.type))
-    check_train_parity(None, ref, model, random_inputs(2, 3, 6, 6, device=device), num_steps=3)
-
-
-def _microbatches(device: torch.device) -> None:
-    model = init_deterministic(MLPStack(6)).to(device)
-    ref = copy.deepcopy(model)
-    for block in model:
-        fully_shard(block, mesh=mesh_1d(device.type))
-    fully_shard(model, mesh=mesh_1d(device.type))
-
-    check_train_parity(
-        None,
-        ref,
-        model,
-        random_inputs(2, 6, device=device),
-        num_steps=2,
-        num_microbatches=3,
-        no_sync=gradient_sync_off,
-    )
-
-
-def scenarios(device_type: str) -> list[Scenario]:
-    one_d = lambda: mesh_1d(device_type)  # noqa: E731
-    hsdp = lambda: mesh_hsdp(2, dist.get_world_size() // 2, device_type)  # noqa: E731
-    return [
-        Scenario("mlp/1d/reshard", _mlp_stack(one_d, True)),
-        Scenario("mlp/1d/no-reshard", _mlp_stack(one_d, False)),
-        Scenario("mlp/1d/default", _mlp_stack(one_d, None)),
-        Scenario("mlp/1d/reshard-to-2", _mlp_stack(one_d, 2), min_world_size=4),
-        Scenario("mlp/1d/microbatches-no-sync", _microbatches),
-        Scenario(
-            "mlp/1d/fp32-reduce-mp",
-            _mlp_stack(one_d, True, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)),
-        ),
-        Scenario("transformer/1d/tied", _transformer(one_d, weight_tying=True)),
-        Scenario(
-            "transformer/1d/checkpointed",
-            _transformer(one_d, checkpoint_activations=True),
-        ),
-        Scenario("convnet/1d", _convnet),
-        Scenario("mlp/hsdp", _mlp_stack(hsdp, True), min_world_size=4, needs_even_world=True),
-        Scenario(
-            "transformer/hsdp",
-            _transformer(hsdp, weight_tying=True),
-            min_world_size=4,
-            needs_even_world=True,
-        ),
-        Scenario("mlp/dp-tp", _tensor_parallel(1), min_world_size=4, needs_even_world=True),
-        Scenario("mlp/hsdp-tp", _tensor_parallel(2), min_world_size=8, needs_even_world=True),
-    ]
+@dataclasses.dataclass(frozen=True)
+class ScenarioInfo:
+    name: str  # unique, e.g. "fully_shard/hsdp/bf16/mlp"
+    api: str
+    mesh: str
+    feature: str
+    model: str
+    world_size: int  # ranks it runs on under these options
 
 
 @dataclasses.dataclass
-class Outcome:
+class ScenarioResult:
     name: str
-    status: str  # "pass", "FAIL" or "skip"
-    detail: str = ""
+    api: str
+    mesh: str
+    feature: str
+    model: str
+    status: str  # "passed" | "failed" | "skipped"
+    message: str  # failure text or skip reason ("" when passed)
+    world_size: int
+    steps: int
+    max_loss_diff: float | None = None
+    max_grad_diff: float | None = None
+    max_param_diff: float | None = None
+    atol: float | None = None
+    rtol: float | None = None
+    counts: dict[str, float] = dataclasses.field(default_factory=dict)  # per step
+    expected_counts: dict[str, float] = dataclasses.field(default_factory=dict)
+    bytes_per_step: int | None = None  # bytes sent per rank per step, measured
+    min_bytes_per_step: int | None = None  # the analytic minimum
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
-def run_scenarios(device: torch.device, only: str | None = None) -> list[Outcome]:
-    """Run every scenario on this rank; all ranks must call it together."""
-    world_size = dist.get_world_size()
-    outcomes = []
-    for scenario in scenarios(device.type):
-        if only is not None and only not in scenario.name:
-            continue
-        if not scenario.applies_to(world_size):
-            outcomes.append(Outcome(scenario.name, "skip", "needs other world size"))
-            continue
-        torch.manual_seed(0)
-        try:
-            scenario.run(device)
-            outcomes.append(Outcome(scenario.name, "pass"))
-        except AssertionError as error:  # the checker fails on every rank together
-            outcomes.append(Outcome(scenario.name, "FAIL", str(error).splitlines()[0]))
-        except Exception:  # noqa: BLE001 - report and stop: collectives may be misaligned
-            outcomes.append(Outcome(scenario.name, "FAIL", traceback.format_exc()))
-            break
-        dist.barrier()
-    return outcomes
+def _info(spec: ScenarioSpec, options: SuiteOptions) -> ScenarioInfo:
+    return ScenarioInfo(
+        name=spec.name,
+        api=spec.api,
+        mesh=spec.mesh,
+        feature=spec.feature,
+        model=spec.model,
+        world_size=spec.world_size(options.world_size, resize=options.resizes_worlds),
+    )
 
 
-def format_report(outcomes: list[Outcome], header: str) -> str:
-    width = max(len(o.name) for o in outcomes) if outcomes else 10
-    lines = [header]
-    for outcome in outcomes:
-        lines.append(f"  {outcome.name:<{width}}  {outcome.status:<4}  {outcome.detail}".rstrip())
-    passed = sum(o.status == "pass" for o in outcomes)
-    failed = sum(o.status == "FAIL" for o in outcomes)
-    skipped = sum(o.status == "skip" for o in outcomes)
-    lines.append(f"{passed} passed, {failed} failed, {skipped} skipped")
-    return "\n".join(lines)
+def _selected(options: SuiteOptions) -> list[ScenarioSpec]:
+    return select(
+        all_specs(),
+        api=options.api,
+        mesh=options.mesh,
+        only=options.only,
+        exclude=options.exclude,
+    )
 
 
-def _process_main(rank: int, world_size: int, backend: str, store_path: str, args: Any) -> None:
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    try:
-        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        outcomes = run_scenarios(device, args.only)
-        if rank == 0:
-            _write_result(args, outcomes, f"{backend} processes, world size {world_size}")
-    finally:
-        dist.destroy_process_group()
+def list_scenarios(options: SuiteOptions) -> list[ScenarioInfo]:
+    """The scenarios ``options`` selects, in run order (see [Note: the matrix] in
+    :mod:`reffsdp.testing.suite_scenarios`; the wrapper has no tensor-parallel meshes)."""
+    return [_info(spec, options) for spec in _selected(options)]
 
 
-def _write_result(args: Any, outcomes: list[Outcome], header: str) -> None:
-    with open(args.result_path, "w") as file:
-        file.write(format_report(outcomes, header) + "\n")
-        file.write("FAILED\n" if any(o.status == "FAIL" for o in outcomes) else "OK\n")
+# -- one scenario on one rank ---------------------------------------------------------------
 
 
-def run_in_processes(args: Any) -> None:
-    import torch.multiprocessing as mp
+def _skipped(spec: ScenarioSpec, options: SuiteOptions, reason: str) -> ScenarioResult:
+    info = _info(spec, options)
+    return ScenarioResult(
+        **_identity(info), status="skipped", message=reason, steps=options.steps, seconds=0.0
+    )
 
-    with tempfile.TemporaryDirectory() as tmp:
-        store_path = os.path.join(tmp, "store")
-        mp.spawn(
-            _process_main,
-            args=(args.world_size, args.backend, store_path, args),
-            nprocs=args.world_size,
+
+def _identity(info: ScenarioInfo) -> dict[str, Any]:
+    return {
+        "name": info.name,
+        "api": info.api,
+        "mesh": info.mesh,
+        "feature": info.feature,
+        "model": info.model,
+        "world_size": info.world_size,
+    }
+
+
+def describe_parity_failure(error: AssertionError) -> str:
+    """``"<check>: <where>: <first problem>"`` for a failed ``check_train_parity``.
+
+    The check is ``losses``, ``gradients`` (after backward) or ``parameters``.
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    head = lines[0] if lines else "parity check failed"
+    stage = head.split(": parity check failed")[0]
+    if "losses" in stage:
+        check = "losses"
+    elif "after backward" in stage:
+        check = "gradients"
+    else:
+        check = "parameters"
+    detail = lines[1] if len(lines) > 1 else head
+    return f"{check}: {stage}: {detail}"
+
+
+def _merge(a: ParityDiffs | None, b: ParityDiffs | None) -> ParityDiffs | None:
+    if a is None or b is None:
+        return a or b
+    merged = ParityDiffs()
+    for field in dataclasses.fields(ParityDiffs):
+        values = [v for v in (getattr(a, field.name), getattr(b, field.name)) if v is not None]
+        setattr(merged, field.name, max(values) if values else None)
+    return merged
+
+
+def _train(built: BuiltScenario, model: Any, ref_model: Any, steps: int, tally: CommTally):
+    with observe_collectives(tally.observe):
+        return check_train_parity(
+            None, ref_model, model, built.make_inputs, num_steps=steps, **built.check_kwargs
         )
 
 
-def run_in_threads(args: Any) -> None:
-    from .multithread import run_threaded
+def _state_dict_phases(steps: int) -> tuple[int, int]:
+    """Steps before saving and after loading (at least one after)."""
+    before = (steps + 1) // 2
+    return before, max(1, steps - before)
 
-    device = torch.device(args.device)
+
+def run_scenario(
+    spec: ScenarioSpec,
+    device: torch.device,
+    *,
+    steps: int = 3,
+    seed: int = 0,
+    world_size: int | None = None,
+) -> ScenarioResult:
+    """Run ``spec`` on this rank; every rank of the default group calls it together.
+
+    Every rank returns the same verdict (parity checks agree across ranks; the counts are
+    this rank's). A parity failure is a failed result, not an exception; anything else
+    raised (a crash inside reffsdp) propagates, since the ranks may be out of step.
+    """
+    start = time.perf_counter()
+    ws = dist.get_world_size() if world_size is None else world_size
+    result = ScenarioResult(
+        name=spec.name,
+        api=spec.api,
+        mesh=spec.mesh,
+        feature=spec.feature,
+        model=spec.model,
+        status="passed",
+        message="",
+        world_size=ws,
+        steps=steps,
+    )
+    if spec.skip:
+        result.status, result.message = "skipped", spec.skip
+        return result
+    torch.manual_seed(seed)
+    built = build_scenario(spec, device, seed=seed)
+    tally = CommTally()
+    trained_steps = steps
+    diffs: ParityDiffs | None = None
+    try:
+        if built.reload is None:
+            diffs = _train(built, built.model, built.ref_model, steps, tally).diffs
+        else:
+            import copy
+
+            before, after = _state_dict_phases(steps)
+            trained_steps = before + after
+            diffs = _train(built, built.model, built.ref_model, before, tally).diffs
+            fresh = built.reload(built.model)
+            ref_model = copy.deepcopy(built.ref_model)
+            diffs = _merge(diffs, _train(built, fresh, ref_model, after, tally).diffs)
+    except AssertionError as error:
+        if not hasattr(error, "parity"):  # not the checker's (agreed) verdict: a crash
+            raise
+        result.status = "failed"
+        result.message = describe_parity_failure(error)
+        diffs = _merge(diffs, getattr(error, "parity", None))
+    if diffs is not None:
+        result.max_loss_diff = diffs.max_loss_diff
+        result.max_grad_diff = diffs.max_grad_diff
+        result.max_param_diff = diffs.max_param_diff
+        result.rtol, result.atol = diffs.rtol, diffs.atol
+    counts, nbytes = tally.per_step(trained_steps)
+    expected, minimum = expected_per_step(built.units, built.shape)
+    result.counts, result.expected_counts = counts, expected
+    result.bytes_per_step, result.min_bytes_per_step = round(nbytes), round(minimum)
+    if result.status == "passed":
+        result.status, result.message = _check_comms(counts, expected, nbytes, minimum)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _check_comms(
+    counts: dict[str, float], expected: dict[str, float], nbytes: Fraction, minimum: Fraction
+) -> tuple[str, str]:
+    wrong = [
+        f"{key} {counts.get(key, 0.0):g} per step, expected {want:g}"
+        for key, want in expected.items()
+        if counts.get(key, 0.0) != want
+    ]
+    if wrong:
+        return "failed", "counts: " + "; ".join(wrong)
+    if nbytes != minimum:
+        return "failed", (
+            f"bytes: {float(nbytes):.0f} sent per rank per step, analytic minimum "
+            f"{float(minimum):.0f}"
+        )
+    return "passed", ""
+
+
+# -- backends -------------------------------------------------------------------------------
+
+
+BugFactory = Callable[[], AbstractContextManager[Any]]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Keep expected noise out of the suite's output: the deprecation warnings the
+    wrapper's state-dict API repeats from torch's, and DTensor's note that gathering a full
+    tensor of a 2-D sharded parameter takes two all-gathers (the full state dicts)."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _crashed(spec: ScenarioSpec, options: SuiteOptions, message: str, seconds: float):
+    info = _info(spec, options)
+    return ScenarioResult(
+        **_identity(info),
+        status="failed",
+        message=message,
+        steps=options.steps,
+        seconds=seconds,
+    )
+
+
+def _run_threaded_one(
+    spec: ScenarioSpec, options: SuiteOptions, bug: BugFactory | None = None
+) -> ScenarioResult:
+    from .multithread import RankFailure, run_threaded
+
+    world_size = spec.world_size(options.world_size, resize=True)
+    found: dict[int, ScenarioResult] = {}
+    device = options.device_for(0)
 
     def rank_main(rank: int) -> None:
-        outcomes = run_scenarios(device, args.only)
-        if rank == 0:
-            _write_result(args, outcomes, f"threads on {device.type}, world size {args.world_size}")
+        found[rank] = run_scenario(
+            spec, device, steps=options.steps, seed=options.seed, world_size=world_size
+        )
 
-    run_threaded(rank_main, args.world_size, timeout_s=600)
+    start = time.perf_counter()
+    try:
+        with _quiet(), bug() if bug is not None else nullcontext():
+            run_threaded(rank_main, world_size, timeout_s=_SCENARIO_TIMEOUT_S)
+    except RankFailure as failure:
+        message = "error: " + _short_error(failure)
+        return _crashed(spec, options, message, time.perf_counter() - start)
+    return found[0]
+
+
+def _short_error(error: BaseException) -> str:
+    """The innermost exception line of a (rank) failure, e.g. ``RuntimeError: ...``."""
+    text = str(error)
+    lines = [line for line in text.splitlines() if line and not line.startswith(" ")]
+    for line in reversed(lines):
+        if "Error" in line or "Exception" in line:
+            return line.strip()[:500]
+    return (lines[-1] if lines else text)[:500]
+
+
+def _iter_threaded(
+    specs: Sequence[ScenarioSpec], options: SuiteOptions, bug: BugFactory | None = None
+) -> Iterator[ScenarioResult]:
+    for spec in specs:
+        reason = spec.fits(spec.world_size(options.world_size, resize=True))
+        if reason:
+            yield _skipped(spec, options, reason)
+            continue
+        if options.device == "cuda" and not torch.cuda.is_available():
+            yield _skipped(spec, options, "no CUDA device")
+            continue
+        yield _run_threaded_one(spec, options, bug)
+
+
+def _process_main(
+    rank: int,
+    world_size: int,
+    options: SuiteOptions,
+    store_path: str,
+    names: list[str],
+    results: Any,
+    bug_name: str | None,
+) -> None:
+    backend = options.backend
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=_SCENARIO_TIMEOUT_S),
+    )
+    specs = {spec.name: spec for spec in all_specs()}
+    bug: BugFactory | None = None
+    if bug_name is not None:
+        from .self_test import bug_context
+
+        bug = bug_context(bug_name)
+    try:
+        broken = ""
+        for name in names:
+            spec = specs[name]
+            if broken:
+                result = _crashed(spec, options, broken, 0.0)
+            else:
+                start = time.perf_counter()
+                try:
+                    with _quiet(), bug() if bug is not None else nullcontext():
+                        result = run_scenario(
+                            spec,
+                            options.device_for(rank),
+                            steps=options.steps,
+                            seed=options.seed,
+                            world_size=world_size,
+                        )
+                    dist.barrier()
+                except Exception as error:  # noqa: BLE001 - reported; the ranks are out of step
+                    result = _crashed(
+                        spec,
+                        options,
+                        f"error: {type(error).__name__}: {error}"[:500],
+                        time.perf_counter() - start,
+                    )
+                    traceback.print_exc()
+                    broken = f"not run: scenario {name} left the ranks out of step"
+            if rank == 0:
+                results.put(result.to_dict())
+    finally:
+        if rank == 0:
+            results.put(None)
+        dist.destroy_process_group()
+
+
+def _iter_processes(
+    specs: Sequence[ScenarioSpec], options: SuiteOptions, bug_name: str | None = None
+) -> Iterator[ScenarioResult]:
+    import torch.multiprocessing as mp
+
+    world_size = options.world_size
+    runnable = []
+    for spec in specs:
+        reason = spec.fits(world_size)
+        if not reason and options.backend == "nccl" and torch.cuda.device_count() < world_size:
+            reason = f"nccl needs {world_size} GPUs, found {torch.cuda.device_count()}"
+        if reason:
+            yield _skipped(spec, options, reason)
+        else:
+            runnable.append(spec)
+    if not runnable:
+        return
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        names = [spec.name for spec in runnable]
+        processes = mp.start_processes(
+            _process_main,
+            args=(world_size, options, store_path, names, results, bug_name),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        seen = 0
+        done = False
+        while not done:
+            try:
+                item = results.get(timeout=1.0)
+            except queue.Empty:
+                if processes.join(timeout=0):  # every process ended
+                    break
+                continue
+            if item is None:
+                done = True
+            else:
+                seen += 1
+                yield ScenarioResult(**item)
+        try:
+            while not processes.join(timeout=30):
+                pass
+        except Exception as error:  # noqa: BLE001 - a rank died: report what never ran
+            message = f"error: a rank process failed: {_short_error(error)}"
+            for spec in runnable[seen:]:
+                yield _crashed(spec, options, message, 0.0)
+            return
+        for spec in runnable[seen:]:
+            yield _crashed(spec, options, "error: the rank processes ended early", 0.0)
+
+
+def iter_results(
+    specs: Sequence[ScenarioSpec], options: SuiteOptions, bug_name: str | None = None
+) -> Iterator[ScenarioResult]:
+    """Run ``specs`` on ``options.backend``; yields each result as it finishes."""
+    if options.backend == "threaded":
+        bug = None
+        if bug_name is not None:
+            from .self_test import bug_context
+
+            bug = bug_context(bug_name)
+        return _iter_threaded(specs, options, bug)
+    return _iter_processes(specs, options, bug_name)
+
+
+def run_suite(
+    options: SuiteOptions,
+    on_result: Callable[[ScenarioResult], None] | None = None,
+) -> list[ScenarioResult]:
+    """Run every scenario :func:`list_scenarios` lists, on ``options.backend``.
+
+    ``on_result`` is called in this process as each scenario finishes. A scenario whose
+    collective counts differ from the expected counts, or whose bytes differ from the
+    analytic minimum, is "failed" even when every number matches DDP.
+    """
+    results = []
+    for result in iter_results(_selected(options), options):
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return results
+
+
+# -- for users: the scenarios on their own model ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityScenario:
+    """One parity scenario to run in a user's own tests (see :func:`parity_scenarios`).
+
+    :meth:`run` runs it on every rank of an initialized default group (inside
+    ``FSDPTestMultiThread`` or ``FSDPTest``); :meth:`run_threaded` starts a threaded world of
+    :attr:`world_size` ranks itself, for a plain pytest function. Either returns a
+    :class:`ScenarioResult`; ``status == "passed"`` is what to assert.
+    """
+
+    spec: ScenarioSpec
+    world_size: int
+    steps: int = 3
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def __str__(self) -> str:
+        return self.name
+
+    def run(self, device: torch.device | str | None = None) -> ScenarioResult:
+        if device is None:
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        return run_scenario(self.spec, torch.device(device), steps=self.steps, seed=self.seed)
+
+    def run_threaded(self, device: str = "cpu") -> ScenarioResult:
+        options = SuiteOptions(
+            device=device, world_size=self.world_size, steps=self.steps, seed=self.seed
+        )
+        return _run_threaded_one(self.spec, options)
+
+
+_CUSTOM_FEATURES = ("fp32", "reshard", "accum", "offload", "sd-full", "sd-sharded")
+
+
+def parity_scenarios(
+    model_factory: Callable[[], torch.nn.Module] | None = None,
+    make_inputs: Callable[[int, int], Any] | None = None,
+    *,
+    block_types: Sequence[type[torch.nn.Module]] = (),
+    apis: Sequence[str] = APIS,
+    meshes: Sequence[str] | None = None,
+    features: Sequence[str] | None = None,
+    world_size: int = 4,
+    steps: int = 3,
+    seed: int = 0,
+    name: str = "custom",
+) -> list[ParityScenario]:
+    """Parity scenarios to run in your own test suite.
+
+    Without ``model_factory``: the suite's own matrix, filtered by ``apis``, ``meshes`` and
+    ``features``. With it: your model under both APIs (or ``apis``), on the ``1d`` and
+    ``hsdp`` meshes (or ``meshes``), with the features ``fp32``, ``reshard``, ``accum``,
+    ``offload``, ``sd-full`` and ``sd-sharded`` (or ``features``; ``bf16`` and
+    ``orig-params`` may be added; ``bf16`` needs floating-point inputs). ``model_factory()``
+    builds the unsharded model on the CPU; ``make_inputs(iteration, rank)`` returns one
+    forward's inputs; each module of ``block_types`` is sharded (or wrapped) on its own
+    before the root. The scenario names read ``"<api>/<mesh>/<feature>/<name>"``.
+    """
+    if (model_factory is None) != (make_inputs is None):
+        raise ValueError("pass both model_factory and make_inputs, or neither")
+    unknown = sorted(set(apis) - set(APIS))
+    if unknown:
+        raise ValueError(f"unknown API(s) {unknown}; pick from {list(APIS)}")
+    if model_factory is None:
+        specs = select(all_specs(), api=tuple(apis), mesh=tuple(meshes or ()))
+        if features is not None:
+            specs = [spec for spec in specs if spec.feature in features]
+    else:
+        assert make_inputs is not None
+        custom = CustomModel(model_factory, make_inputs, tuple(block_types))
+        wanted_meshes = tuple(meshes or WRAPPER_MESHES)
+        bad = sorted(set(wanted_meshes) - set(WRAPPER_MESHES))
+        if bad:
+            raise ValueError(
+                f"mesh(es) {bad} need a tensor-parallel plan for your model; a custom model "
+                f"runs on {list(WRAPPER_MESHES)}"
+            )
+        specs = []
+        for api in apis:
+            for mesh in wanted_meshes:
+                for feature in features or _CUSTOM_FEATURES:
+                    if feature == "orig-params" and api != "wrapper":
+                        continue
+                    specs.append(ScenarioSpec(api, mesh, feature, name, custom=custom))
+    options = SuiteOptions(world_size=world_size)
+    return [
+        ParityScenario(
+            spec, spec.world_size(world_size, resize=options.resizes_worlds), steps, seed
+        )
+        for spec in specs
+    ]
+
+
+__all__ = [
+    "MESHES",
+    "ParityScenario",
+    "ScenarioInfo",
+    "ScenarioResult",
+    "SuiteOptions",
+    "list_scenarios",
+    "parity_scenarios",
+    "run_scenario",
+    "run_suite",
+]
+
+
+from .self_test import SelfTestResult, run_self_test  # noqa: E402 - part of this API
+
+__all__ += ["SelfTestResult", "run_self_test"]

@@ -24,12 +24,13 @@ each rank thread patches only its own calls (see [Note: interception is per rank
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
+from reffsdp.core import comms
 from reffsdp.core.comms import Collective, intercept, torch_all_gather, torch_reduce_scatter
 
 
@@ -110,3 +111,52 @@ def count_all_gathers() -> Iterator[list[int]]:
 
     with observe_all_gathers(counting):
         yield count
+
+
+@contextlib.contextmanager
+def observe_collectives(
+    observer: Callable[[Collective, torch.Tensor, Any], None],
+    kinds: Sequence[Collective] = (
+        Collective.ALL_GATHER,
+        Collective.REDUCE_SCATTER,
+        Collective.ALL_REDUCE,
+    ),
+) -> Iterator[None]:
+    """Call ``observer(kind, tensor, group)`` at each of this rank's reffsdp collectives of
+    ``kinds``, then run the collective as it would have run.
+
+    ``tensor`` is the collective's unsharded side: the all-gather output, the
+    reduce-scatter input, the all-reduced tensor. Unlike the helpers above, this one passes
+    each call on to whatever handled it when the context opened (another interceptor, say a
+    planted bug, or torch), so it can count the collectives of a patched run too.
+    """
+    with contextlib.ExitStack() as stack:
+        for kind in kinds:
+            stack.enter_context(intercept(kind, _observed(kind, observer)))
+        yield
+
+
+def _observed(kind: Collective, observer: Callable[[Collective, torch.Tensor, Any], None]):
+    inner = comms._resolve(kind)  # what this rank's call would reach without us
+    if kind is Collective.ALL_GATHER:
+
+        def all_gather(output, input, group=None, async_op=False):
+            observer(kind, output, group)
+            return inner(output, input, group=group, async_op=async_op)
+
+        return all_gather
+    if kind is Collective.REDUCE_SCATTER:
+
+        def reduce_scatter(output, input, op=None, group=None, async_op=False):
+            observer(kind, input, group)
+            return inner(output, input, op=op, group=group, async_op=async_op)
+
+        return reduce_scatter
+    if kind is Collective.ALL_REDUCE:
+
+        def all_reduce(tensor, op=None, group=None, async_op=False):
+            observer(kind, tensor, group)
+            return inner(tensor, op=op, group=group, async_op=async_op)
+
+        return all_reduce
+    raise ValueError(f"cannot observe {kind.value} collectives")

@@ -1,0 +1,236 @@
+"""How many collectives a training step must issue, and the fewest bytes it can send.
+
+Expectations are computed from the model's parameter shapes and the strategy alone, never
+from reffsdp's own sharding code, so a wrong padding or a collective too many shows up as a
+difference.
+
+[Note: bytes sent per rank]
+A ring collective over ``g`` ranks moving a buffer of ``N`` bytes (the unsharded side: the
+all-gather output, the reduce-scatter input) sends ``N (g - 1) / g`` bytes from each rank;
+an all-reduce of ``N`` bytes sends twice that. One FULL_SHARD step of a group of ``Psi``
+padded bytes on ``W`` ranks therefore sends ``3 Psi (W - 1) / W`` (gather in forward, gather
+again in backward, reduce-scatter), less ``Psi (W - 1) / W`` for a group that stays
+unsharded between forward and backward; HSDP adds the all-reduce of the ``Psi / S`` byte
+shard across the ``R`` replicas, ``2 (Psi / S) (R - 1) / R``. The minimum is exact: it is
+what the strategy must move once every parameter is padded the way the strategy pads it
+(each parameter's dim 0 to a multiple of the shard size for ``fully_shard``; for the
+wrapper, the flat parameter, aligned per parameter with ``use_orig_params=True``, to a
+multiple of the shard size). The measured side (:class:`CommTally`) applies the same rule
+to every collective reffsdp actually issues, with the size of the group it ran on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from fractions import Fraction
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from reffsdp.core.comms import Collective
+
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
+COUNT_KEYS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+_KEY_OF = {
+    Collective.ALL_GATHER: ALL_GATHER,
+    Collective.REDUCE_SCATTER: REDUCE_SCATTER,
+    Collective.ALL_REDUCE: ALL_REDUCE,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CommUnit:
+    """One parameter group (``fully_shard``) or flat parameter (the wrapper).
+
+    ``reshard_after_forward``: ``True`` (gathered again in backward over the shard group),
+    ``False`` (kept from forward to backward) or ``k`` (gathered again over ``k`` ranks).
+    """
+
+    name: str
+    gather_numel: int  # all-gather output, padded, over the whole shard group
+    reduce_numel: int  # reduce-scatter input: the trainable part, padded; 0 when frozen
+    gather_itemsize: int
+    reduce_itemsize: int
+    reshard_after_forward: bool | int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The data-parallel mesh and what one optimizer step runs."""
+
+    shard_size: int
+    replicate_size: int = 1
+    num_microbatches: int = 1
+    sync_every_microbatch: bool = True  # False: gradients reduced in the last one only
+
+
+def _ring_bytes(nbytes: int | Fraction, group_size: int) -> Fraction:
+    return Fraction(nbytes) * (group_size - 1) / group_size
+
+
+def expected_per_step(
+    units: Iterable[CommUnit], shape: StepShape
+) -> tuple[dict[str, float], Fraction]:
+    """``(counts per step, minimum bytes sent per rank per step)``; see the module note."""
+    counts: Counter[str] = Counter()
+    nbytes = Fraction(0)
+    s, r, m = shape.shard_size, shape.replicate_size, shape.num_microbatches
+    reduces = m if shape.sync_every_microbatch else 1
+    for unit in units:
+        if unit.gather_numel == 0:
+            continue
+        gather = unit.gather_numel * unit.gather_itemsize
+        if s > 1:
+            counts[ALL_GATHER] += m
+            nbytes += m * _ring_bytes(gather, s)
+            rf = unit.reshard_after_forward
+            if rf is True or (rf is not False and rf > 1):
+                group = s if rf is True else rf
+                counts[ALL_GATHER] += m
+                nbytes += m * _ring_bytes(gather, group)
+        if unit.reduce_numel == 0:
+            continue
+        reduce = unit.reduce_numel * unit.reduce_itemsize
+        if s > 1:
+            counts[REDUCE_SCATTER] += reduces
+            nbytes += reduces * _ring_bytes(reduce, s)
+        if r > 1:
+            counts[ALL_REDUCE] += reduces
+            nbytes += reduces * 2 * _ring_bytes(Fraction(reduce, s), r)
+    return {key: float(counts[key]) for key in COUNT_KEYS}, nbytes
+
+
+def _local_shape(param: torch.Tensor) -> torch.Size:
+    """The shape FSDP shards: a tensor-parallel parameter's local piece."""
+    return param.to_local().shape if isinstance(param, DTensor) else param.shape
+
+
+def padded_numel(shape: Sequence[int], shard_size: int) -> int:
+    """Elements of ``shard_size`` shards of ``ceil(dim0 / shard_size)`` rows each."""
+    if not shape:
+        return shard_size
+    rows = math.ceil(shape[0] / shard_size) * shard_size
+    return rows * math.prod(shape[1:])
+
+
+def _owned_params(modules: Sequence[nn.Module]) -> list[list[nn.Parameter]]:
+    """Per module, its parameters that no earlier module in ``modules`` took (each once)."""
+    seen: set[int] = set()
+    owned = []
+    for module in modules:
+        params = []
+        for param in module.parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+        owned.append(params)
+    return owned
+
+
+def fully_shard_units(
+    modules: Sequence[nn.Module],
+    shard_size: int,
+    *,
+    reshard_after_forward: bool | int | None = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> list[CommUnit]:
+    """The groups ``fully_shard`` makes when applied to ``modules`` in order (children
+    first, the root last), each with the same arguments; call it before sharding.
+
+    ``reshard_after_forward=None`` reshards every group but the root's, as ``fully_shard``
+    does.
+    """
+    units = []
+    for index, params in enumerate(_owned_params(modules)):
+        is_root = index == len(modules) - 1
+        rf = (not is_root) if reshard_after_forward is None else reshard_after_forward
+        if not params:
+            continue
+        dtype = params[0].dtype
+        gather_dtype = param_dtype or dtype
+        units.append(
+            CommUnit(
+                name=type(modules[index]).__name__,
+                gather_numel=sum(padded_numel(_local_shape(p), shard_size) for p in params),
+                reduce_numel=sum(
+                    padded_numel(_local_shape(p), shard_size) for p in params if p.requires_grad
+                ),
+                gather_itemsize=gather_dtype.itemsize,
+                reduce_itemsize=(reduce_dtype or gather_dtype).itemsize,
+                reshard_after_forward=rf,
+            )
+        )
+    return units
+
+
+def flat_numel(shapes: Sequence[Sequence[int]], shard_size: int, align_itemsize: int | None) -> int:
+    """A flat parameter's padded size: parameters end to end (each starting on a 16-byte
+    boundary when ``align_itemsize`` is given), the total rounded up to ``shard_size``."""
+    align = 16 // align_itemsize if align_itemsize else 0
+    offset = 0
+    for shape in shapes:
+        if align and offset % align:
+            offset += align - offset % align
+        offset += math.prod(shape)
+    return math.ceil(offset / shard_size) * shard_size
+
+
+def wrapper_units(
+    modules: Sequence[nn.Module],
+    shard_size: int,
+    *,
+    reshard_after_forward: bool,
+    use_orig_params: bool,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> list[CommUnit]:
+    """The flat parameters ``FullyShardedDataParallel`` makes for ``modules`` (the wrapped
+    ones in post-order, the root last). ``reshard_after_forward``: the strategy's, which the
+    root never does."""
+    units = []
+    for index, params in enumerate(_owned_params(modules)):
+        if not params:
+            continue
+        dtype = params[0].dtype
+        numel = flat_numel(
+            [p.shape for p in params], shard_size, dtype.itemsize if use_orig_params else None
+        )
+        is_root = index == len(modules) - 1
+        gather_dtype = param_dtype or dtype
+        units.append(
+            CommUnit(
+                name=type(modules[index]).__name__,
+                gather_numel=numel,
+                reduce_numel=numel if any(p.requires_grad for p in params) else 0,
+                gather_itemsize=gather_dtype.itemsize,
+                reduce_itemsize=(reduce_dtype or gather_dtype).itemsize,
+                reshard_after_forward=reshard_after_forward and not is_root,
+            )
+        )
+    return units
+
+
+class CommTally:
+    """Counts and ring bytes of the collectives reffsdp issues on this rank (see
+    :func:`reffsdp.testing.patching.observe_collectives` for how it is fed)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.bytes = Fraction(0)
+
+    def observe(self, kind: Collective, tensor: torch.Tensor, group: Any) -> None:
+        key = _KEY_OF[kind]
+        size = dist.get_world_size(group)
+        self.counts[key] += 1
+        nbytes = _ring_bytes(tensor.numel() * tensor.element_size(), size)
+        self.bytes += 2 * nbytes if key == ALL_REDUCE else nbytes
+
+    def per_step(self, steps: int) -> tuple[dict[str, float], Fraction]:
+        return {key: self.counts[key] / steps for key in COUNT_KEYS}, self.bytes / steps

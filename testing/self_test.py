@@ -1,0 +1,255 @@
+"""The parity suite's self-test: plant known bugs in reffsdp and check the suite fails.
+
+A passing parity suite means something only if a broken FSDP makes it fail. Each bug below
+is planted by patching one reffsdp internal for the length of a scenario (process-wide, so
+every rank thread sees it; in process backends each rank process patches itself), never by
+editing reffsdp. Each runs against both APIs, on a scenario that trains an uneven-width
+MLP (so padding is exercised) on the 1-D mesh, and must make that scenario fail; the
+result names the check that caught it (losses, gradients, parameters, counts or bytes).
+
+The planted bugs, and the seam each uses:
+
+* wrong gradient divide factor: ``collectives.plan_reduction`` plans a plain sum;
+* skipped reduce-scatter: ``comms.reduce_scatter`` leaves each rank its own chunk;
+* stale shard after the optimizer step: members all-gather a copy of their first shard;
+* wrong padding on an uneven shard: members pad their gradient at the front of dim 0;
+* mixed-precision reduce in the wrong dtype: ``ParamGroup._reduce_spec`` reduces in the
+  compute dtype (bf16) where the policy asks for fp32;
+* missing all-gather prefetch: a prefetched all-gather is dropped at the group's
+  pre-backward, which gathers again (the numbers stay right; only the counts change).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from .suite_scenarios import APIS, ScenarioSpec
+
+
+@dataclasses.dataclass
+class SelfTestResult:
+    bug: str  # e.g. "wrong gradient divide factor"
+    api: str  # "fully_shard" | "wrapper"
+    caught: bool
+    caught_by: str  # the check that caught it
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# -- the bugs -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _sum_without_divide() -> Iterator[None]:
+    from reffsdp.core import collectives
+
+    original = collectives.plan_reduction
+    sum_op = dist.ReduceOp.SUM
+
+    def plan_reduction(*args: Any, **kwargs: Any) -> Any:
+        plan = original(*args, **kwargs)
+        return dataclasses.replace(
+            plan,
+            reduce_scatter_op=sum_op,
+            all_reduce_op=sum_op,
+            pre_factor=None,
+            post_factor=None,
+            premul_factor=None,
+        )
+
+    with mock.patch.object(collectives, "plan_reduction", plan_reduction):
+        yield
+
+
+@contextlib.contextmanager
+def _skip_reduce_scatter() -> Iterator[None]:
+    from reffsdp.core import comms
+
+    def reduce_scatter(output, input, group, *, op=None, async_op=False):
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        output.copy_(input.view(size, -1)[rank])
+        return None
+
+    with mock.patch.object(comms, "reduce_scatter", reduce_scatter):
+        yield
+
+
+def _member_classes() -> list[type]:
+    from reffsdp.per_param.sharded_param import ShardedParam
+    from reffsdp.wrapper.flat_param import FlatParamHandle
+
+    return [ShardedParam, FlatParamHandle]
+
+
+@contextlib.contextmanager
+def _stale_all_gather_input() -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for cls in _member_classes():
+            original = cls.all_gather_input
+
+            def all_gather_input(self: Any, _original: Callable = original) -> torch.Tensor:
+                stale = self.__dict__.get("_planted_stale_shard")
+                if stale is None:
+                    stale = self.__dict__["_planted_stale_shard"] = _original(self).clone()
+                return stale
+
+            stack.enter_context(mock.patch.object(cls, "all_gather_input", all_gather_input))
+        yield
+
+
+@contextlib.contextmanager
+def _front_padding() -> Iterator[None]:
+    from reffsdp.per_param.sharded_param import ShardedParam
+    from reffsdp.wrapper.flat_param import FlatParamHandle
+
+    per_param = ShardedParam.take_grad_for_reduce
+    flat = FlatParamHandle.take_grad_for_reduce
+
+    def per_param_grad(self: Any, zeros_if_unused: bool) -> torch.Tensor | None:
+        grad = per_param(self, zeros_if_unused)
+        if grad is None or grad.dim() == 0:
+            return grad
+        world_size = self.layout.world_size
+        pad = -grad.shape[0] % world_size
+        if not pad:
+            return grad
+        zeros = grad.new_zeros((pad, *grad.shape[1:]))
+        return torch.cat([zeros, grad])
+
+    def flat_grad(self: Any, zeros_if_unused: bool) -> torch.Tensor | None:
+        grad = flat(self, zeros_if_unused)
+        total = self.layout.total_numel
+        if grad is None or grad.numel() == total:
+            return grad
+        return torch.cat([grad.new_zeros(grad.numel() - total), grad[:total]])
+
+    with (
+        mock.patch.object(ShardedParam, "take_grad_for_reduce", per_param_grad),
+        mock.patch.object(FlatParamHandle, "take_grad_for_reduce", flat_grad),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def _reduce_in_compute_dtype() -> Iterator[None]:
+    from reffsdp.core.param_group import ParamGroup
+
+    original = ParamGroup._reduce_spec
+
+    def reduce_spec(self: Any, members: list, grads: list) -> Any:
+        spec = original(self, members, grads)
+        return dataclasses.replace(spec, reduce_dtype=members[0].compute_dtype)
+
+    with mock.patch.object(ParamGroup, "_reduce_spec", reduce_spec):
+        yield
+
+
+@contextlib.contextmanager
+def _drop_backward_prefetch() -> Iterator[None]:
+    from reffsdp.core.param_group import ParamGroup
+    from reffsdp.core.states import TrainingState
+
+    original = ParamGroup.pre_backward
+
+    def pre_backward(self: Any) -> None:
+        if self.training_state is not TrainingState.PRE_BACKWARD:
+            self._drop_unconsumed_all_gather()
+        original(self)
+
+    with mock.patch.object(ParamGroup, "pre_backward", pre_backward):
+        yield
+
+
+@dataclasses.dataclass(frozen=True)
+class PlantedBug:
+    name: str
+    plant: Callable[[], AbstractContextManager[Any]]
+    feature: str = "fp32"  # the scenario feature it needs
+
+
+BUGS: tuple[PlantedBug, ...] = (
+    PlantedBug("wrong gradient divide factor", _sum_without_divide),
+    PlantedBug("skipped reduce-scatter", _skip_reduce_scatter),
+    PlantedBug("stale shard after the optimizer step", _stale_all_gather_input),
+    PlantedBug("wrong padding on an uneven shard", _front_padding),
+    PlantedBug("mixed-precision reduce in the wrong dtype", _reduce_in_compute_dtype, "bf16"),
+    PlantedBug("missing all-gather prefetch", _drop_backward_prefetch),
+)
+
+
+def bug_context(name: str) -> Callable[[], AbstractContextManager[Any]]:
+    """The context manager factory that plants the bug called ``name``."""
+    for bug in BUGS:
+        if bug.name == name:
+            return bug.plant
+    raise ValueError(f"no planted bug named {name!r}; known: {[b.name for b in BUGS]}")
+
+
+def self_test_spec(bug: PlantedBug, api: str) -> ScenarioSpec:
+    """The scenario a bug is planted into: an uneven-width MLP on the 1-D mesh."""
+    return ScenarioSpec(api, "1d", bug.feature, "mlp")
+
+
+# -- running --------------------------------------------------------------------------------
+
+
+def run_self_test(
+    options: Any,
+    on_result: Callable[[SelfTestResult], None] | None = None,
+) -> list[SelfTestResult]:
+    """Plant every bug against each API of ``options.api`` (all when empty) on
+    ``options.backend``; each must make its scenario fail.
+
+    The unpatched scenarios run first: a bug counts as caught only when the same scenario
+    passes without it. ``on_result`` is called in this process as each bug finishes.
+    """
+    from .parity_suite import iter_results
+
+    apis = options.api or APIS
+    steps = max(2, options.steps)  # a stale shard shows from the second step on
+    options = dataclasses.replace(options, steps=steps)
+    baseline_specs = sorted(
+        {self_test_spec(bug, api) for bug in BUGS for api in apis}, key=lambda s: s.name
+    )
+    baseline = {result.name: result for result in iter_results(baseline_specs, options)}
+    results = []
+    for bug in BUGS:
+        specs = [self_test_spec(bug, api) for api in apis]
+        start = time.perf_counter()
+        for spec, result in zip(specs, iter_results(specs, options, bug.name)):
+            clean = baseline[spec.name]
+            if clean.status != "passed":
+                caught, caught_by = (
+                    False,
+                    (
+                        f"inconclusive: the unpatched scenario {spec.name} is {clean.status}: "
+                        f"{clean.message}"
+                    ),
+                )
+            elif result.status == "failed":
+                caught, caught_by = True, result.message
+            else:
+                caught, caught_by = False, f"scenario {spec.name} {result.status} with the bug"
+            outcome = SelfTestResult(
+                bug=bug.name,
+                api=spec.api,
+                caught=caught,
+                caught_by=caught_by,
+                seconds=result.seconds or (time.perf_counter() - start),
+            )
+            results.append(outcome)
+            if on_result is not None:
+                on_result(outcome)
+            start = time.perf_counter()
+    return results

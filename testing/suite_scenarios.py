@@ -1,0 +1,542 @@
+"""The parity suite's scenarios: what each one builds, and the matrix they form.
+
+A scenario is one combination of API (``fully_shard`` or the ``FullyShardedDataParallel``
+wrapper), mesh, feature and model. :func:`build_scenario` builds it on the calling rank:
+the unsharded reference, the sharded model, the inputs, the arguments for
+:func:`~reffsdp.testing.parity.check_train_parity`, and the parameter groups the expected
+collectives are computed from (see :mod:`reffsdp.testing.expected_comms`). The engine in
+:mod:`reffsdp.testing.parity_suite` runs them.
+
+[Note: the matrix]
+Not the full cross product: every feature runs on every mesh of each API once, and the
+models rotate over the features so each API trains each model several times.
+
+=========  ==================================================================
+mesh       ranks (W: the suite's world size)
+=========  ==================================================================
+``1d``     FSDP over all W ranks
+``hsdp``   2 replicas of W/2-rank shard groups
+``2d``     FSDP over W/2 ranks times tensor parallelism over 2 (fully_shard)
+``3d``     2 replicas x W/4-rank shard groups x tensor parallelism over 2 (8 ranks)
+=========  ==================================================================
+
+The wrapper runs only ``1d`` and ``hsdp``: like torch's ``FullyShardedDataParallel`` it
+takes a 2-D ``device_mesh`` only for the hybrid strategies and has no tensor-parallel
+composition, so its ``2d``/``3d`` cells do not exist. Tensor-parallel scenarios train MLP
+models (the tensor-parallel plan is colwise/rowwise over each MLP block); their tied-weight
+case is :class:`~reffsdp.testing.models.TiedMLPStack`.
+
+Features: ``fp32``; ``bf16`` (bf16 compute, fp32 reduction, against
+:class:`~reffsdp.testing.parity.LowPrecisionCompute`); ``offload`` (CPU offload of the
+shards); ``reshard`` (``reshard_after_forward`` an int on ``1d``, ``False`` elsewhere; the
+wrapper's ``SHARD_GRAD_OP`` / ``_HYBRID_SHARD_ZERO2``); ``accum`` (two microbatches per step,
+the first without gradient sync); ``ckpt`` (activation checkpointing); ``frozen`` (a frozen
+middle block); ``tied`` (tied weights); ``orig-params`` (wrapper, ``use_orig_params=True``;
+its other scenarios use ``False``); ``sd-full`` / ``sd-sharded`` (train, save a full or
+sharded state dict, load it into a freshly built sharded model, train on).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .expected_comms import CommUnit, StepShape, fully_shard_units, wrapper_units
+from .inputs import random_inputs, random_tokens
+from .models import (
+    MLP,
+    CheckpointedMLPStack,
+    ConvNet,
+    MLPStack,
+    ModelArgs,
+    SmoothMLPStack,
+    TiedMLPStack,
+    Transformer,
+    TransformerBlock,
+    init_deterministic,
+)
+from .parity import (
+    LowPrecisionCompute,
+    Passthrough,
+    broadcast_params_from_rank0,
+    gradient_sync_off,
+)
+
+APIS = ("fully_shard", "wrapper")
+MESHES = ("1d", "hsdp", "2d", "3d")
+MODELS = ("mlp", "transformer", "convnet")
+FEATURES = (
+    "fp32",
+    "bf16",
+    "offload",
+    "reshard",
+    "accum",
+    "ckpt",
+    "frozen",
+    "tied",
+    "orig-params",
+    "sd-full",
+    "sd-sharded",
+)
+TP_MESHES = ("2d", "3d")
+WRAPPER_MESHES = ("1d", "hsdp")
+
+MLP_DIM = 5  # 15-row layers: uneven shards on 2 and 4 ranks
+TP_DIM = 8  # tensor parallelism splits the hidden widths in two
+BF16 = torch.bfloat16
+
+# Tensor parallelism sums partial products in another order than the unsharded reference,
+# so fp32 results differ in the last bits (relative to values in the hundreds), and bf16
+# ones by bf16 roundings of those sums; (fp32, bf16) tolerances for its scenarios.
+TP_TOLERANCES = {
+    False: {"rtol": 1e-5, "atol": 1e-4},
+    True: {"rtol": 1e-2, "atol": 1e-2},
+}
+
+# The model each (mesh kind, feature) trains; see [Note: the matrix].
+_MODEL_1D = {
+    "fp32": "convnet",
+    "bf16": "mlp",
+    "offload": "transformer",
+    "reshard": "mlp",
+    "accum": "transformer",
+    "ckpt": "transformer",
+    "frozen": "mlp",
+    "tied": "transformer",
+    "orig-params": "transformer",
+    "sd-full": "mlp",
+    "sd-sharded": "convnet",
+}
+_MODEL_HSDP = {
+    "fp32": "mlp",
+    "bf16": "convnet",
+    "offload": "mlp",
+    "reshard": "transformer",
+    "accum": "mlp",
+    "ckpt": "transformer",
+    "frozen": "mlp",
+    "tied": "transformer",
+    "orig-params": "convnet",
+    "sd-full": "transformer",
+    "sd-sharded": "mlp",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomModel:
+    """A user's model for :func:`reffsdp.testing.parity_scenarios`: ``model_factory()``
+    builds it unsharded (on the CPU; the scenario moves it), ``make_inputs(iteration,
+    rank)`` gives one forward's inputs, and every module of ``block_types`` gets its own
+    parameter group (``fully_shard``) or wrapper instance before the root."""
+
+    model_factory: Callable[[], nn.Module]
+    make_inputs: Callable[[int, int], Any]
+    block_types: tuple[type[nn.Module], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ScenarioSpec:
+    """One cell of the matrix; ``skip`` names a known bug that keeps it from running."""
+
+    api: str
+    mesh: str
+    feature: str
+    model: str
+    skip: str = ""
+    custom: CustomModel | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.api}/{self.mesh}/{self.feature}/{self.model}"
+
+    def world_size(self, world_size: int, *, resize: bool) -> int:
+        """Ranks this scenario runs on given the suite's ``world_size``; with ``resize``
+        (threads) the 3-D mesh gets the 8 ranks it needs."""
+        if self.mesh == "3d" and resize:
+            return max(8, world_size - world_size % 4)
+        return world_size
+
+    def fits(self, world_size: int) -> str:
+        """Why ``world_size`` ranks cannot hold this scenario's mesh ("" if they can)."""
+        if self.mesh == "1d" and world_size < 2:
+            return "needs at least 2 ranks"
+        if self.mesh in ("hsdp", "2d") and (world_size < 4 or world_size % 2):
+            return f"the {self.mesh} mesh needs an even number of ranks, at least 4"
+        if self.mesh == "3d" and (world_size < 8 or world_size % 4):
+            return "the 3d mesh needs a multiple of 4 ranks, at least 8"
+        if self.feature == "reshard" and self.mesh == "1d" and world_size % 2:
+            return "reshard_after_forward=2 needs an even number of ranks"
+        return ""
+
+
+def all_specs() -> list[ScenarioSpec]:
+    """Every scenario of the suite, in run order; see [Note: the matrix]."""
+    specs = []
+    for api in APIS:
+        meshes = MESHES if api == "fully_shard" else WRAPPER_MESHES
+        for mesh in meshes:
+            for feature in FEATURES:
+                if feature == "orig-params" and api != "wrapper":
+                    continue
+                if mesh in TP_MESHES:
+                    model = "mlp"
+                else:
+                    model = (_MODEL_1D if mesh == "1d" else _MODEL_HSDP)[feature]
+                specs.append(ScenarioSpec(api, mesh, feature, model))
+    return specs
+
+
+# -- building one scenario ------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BuiltScenario:
+    """Everything one rank needs to run a scenario.
+
+    ``reload`` (state-dict scenarios) saves the trained ``model``'s state dict, builds a
+    fresh sharded model, loads it, and returns the fresh one.
+    """
+
+    ref_model: nn.Module
+    model: nn.Module
+    make_inputs: Callable[[int, int], Any]
+    units: list[CommUnit]
+    shape: StepShape
+    check_kwargs: dict[str, Any]
+    reload: Callable[[nn.Module], nn.Module] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mesh:
+    """The meshes a scenario shards over, and its data-parallel sizes."""
+
+    fsdp_mesh: Any  # what fully_shard takes (the data-parallel sub-mesh)
+    tp_mesh: Any
+    shard_size: int
+    replicate_size: int
+    wrapper_kwargs: dict[str, Any]
+
+
+def _make_mesh(mesh: str, device_type: str, api: str) -> _Mesh:
+    from .meshes import mesh_1d, mesh_dp_tp, mesh_hsdp, mesh_nd
+
+    world_size = dist.get_world_size()
+    if mesh == "1d":
+        if api == "wrapper":
+            return _Mesh(None, None, world_size, 1, {})
+        return _Mesh(mesh_1d(device_type), None, world_size, 1, {})
+    if mesh == "hsdp":
+        hsdp = mesh_hsdp(2, world_size // 2, device_type)
+        return _Mesh(hsdp, None, world_size // 2, 2, {"device_mesh": hsdp})
+    if mesh == "2d":
+        full = mesh_dp_tp(world_size // 2, 2, device_type)
+        return _Mesh(full["dp_shard"], full["tp"], world_size // 2, 1, {})
+    full = mesh_nd(2, world_size // 4, 2, device_type)
+    return _Mesh(full["dp_replicate", "dp_shard"], full["tp"], world_size // 4, 2, {})
+
+
+def _same_on_every_rank(model: nn.Module, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    broadcast_params_from_rank0(model)
+    return model
+
+
+def _new_model(spec: ScenarioSpec, device: torch.device, seed: int) -> nn.Module:
+    """The unsharded model, identical on every rank (``seed`` varies it)."""
+    tp = spec.mesh in TP_MESHES
+    if spec.custom is not None:
+        return _same_on_every_rank(spec.custom.model_factory().to(device), seed)
+    if spec.model == "mlp":
+        dim = TP_DIM if tp else MLP_DIM
+        if spec.feature == "tied":
+            model = TiedMLPStack(dim)
+        elif spec.feature == "ckpt":
+            model = CheckpointedMLPStack(dim)
+        elif spec.feature == "bf16" and tp:  # default init: activations of order 1
+            return _same_on_every_rank(SmoothMLPStack(dim).to(device), seed)
+        else:
+            model = MLPStack(dim)
+        return init_deterministic(model, seed).to(device)
+    if spec.model == "transformer":
+        args = ModelArgs(
+            weight_tying=spec.feature == "tied",
+            checkpoint_activations=spec.feature == "ckpt",
+        )
+        return _same_on_every_rank(Transformer(args).to(device), seed)
+    return _same_on_every_rank(ConvNet(width=4).to(device), seed)
+
+
+def _inputs(spec: ScenarioSpec, device: torch.device) -> Callable[[int, int], Any]:
+    if spec.custom is not None:
+        return spec.custom.make_inputs
+    same_within = 2 if spec.mesh in TP_MESHES else 1  # a TP group sees one batch
+    if spec.model == "mlp":
+        dim = TP_DIM if spec.mesh in TP_MESHES else MLP_DIM
+        return random_inputs(3, dim, device=device, same_within=same_within)
+    if spec.model == "transformer":
+        return random_tokens(ModelArgs().vocab_size, 2, 8, device=device)
+    return random_inputs(2, 3, 6, 6, device=device)
+
+
+def _blocks(model: nn.Module, spec: ScenarioSpec) -> list[nn.Module]:
+    """The modules sharded (or wrapped) before the root."""
+    model_kind = spec.model
+    if spec.custom is not None:
+        types = tuple(spec.custom.block_types)
+        return [m for m in model.modules() if m is not model and isinstance(m, types)]
+    if model_kind == "transformer":
+        return list(model.layers)
+    if model_kind == "convnet":
+        return [model.conv1, model.conv2]
+    return list(model.blocks) if isinstance(model, TiedMLPStack) else list(model)
+
+
+def _wrap_classes(spec: ScenarioSpec) -> set[type[nn.Module]]:
+    if spec.custom is not None:
+        return set(spec.custom.block_types)
+    return {"transformer": {TransformerBlock}, "convnet": {nn.Conv2d}}.get(spec.model, {MLP})
+
+
+def _freeze(spec: ScenarioSpec, model: nn.Module) -> None:
+    if spec.feature == "frozen":
+        _blocks(model, spec)[1].requires_grad_(False)
+
+
+def _apply_tensor_parallel(model: nn.Module, spec: ScenarioSpec, tp_mesh: Any) -> None:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
+    for block in _blocks(model, spec):
+        parallelize_module(block, tp_mesh, plan)
+
+
+def _shard_fully(model: nn.Module, spec: ScenarioSpec, mesh: _Mesh) -> tuple[nn.Module, list]:
+    """``fully_shard`` every block, then the root; returns the model and its groups."""
+    from reffsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"mesh": mesh.fsdp_mesh}
+    reshard = None
+    if spec.feature == "reshard":
+        reshard = 2 if spec.mesh == "1d" else False
+        kwargs["reshard_after_forward"] = reshard
+    param_dtype = reduce_dtype = None
+    if spec.feature == "bf16":
+        param_dtype, reduce_dtype = BF16, torch.float32
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    if spec.feature == "offload":
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    blocks = _blocks(model, spec)
+    units = fully_shard_units(
+        [*blocks, model],
+        mesh.shard_size,
+        reshard_after_forward=reshard,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+    )
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model, units
+
+
+def _wrapper_strategy(spec: ScenarioSpec) -> Any:
+    from reffsdp import ShardingStrategy
+
+    if spec.mesh == "hsdp":
+        if spec.feature == "reshard":
+            return ShardingStrategy._HYBRID_SHARD_ZERO2
+        return ShardingStrategy.HYBRID_SHARD
+    if spec.feature == "reshard":
+        return ShardingStrategy.SHARD_GRAD_OP
+    return ShardingStrategy.FULL_SHARD
+
+
+def _wrap(model: nn.Module, spec: ScenarioSpec, mesh: _Mesh) -> tuple[nn.Module, list]:
+    """``FullyShardedDataParallel`` over every block (auto-wrap policy) and the root."""
+    from reffsdp import CPUOffload, MixedPrecision, ShardingStrategy
+
+    from .build import wrap_blocks
+
+    strategy = _wrapper_strategy(spec)
+    kwargs: dict[str, Any] = dict(mesh.wrapper_kwargs)
+    use_orig_params = spec.feature == "orig-params"
+    param_dtype = reduce_dtype = None
+    if spec.feature == "bf16":
+        param_dtype, reduce_dtype = BF16, torch.float32
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32)
+    if spec.feature == "offload":
+        kwargs["cpu_offload"] = CPUOffload(offload_params=True)
+    classes = _wrap_classes(spec)
+    wrapped_modules = [m for m in model.modules() if isinstance(m, tuple(classes))]
+    units = wrapper_units(
+        [*wrapped_modules, model],
+        mesh.shard_size,
+        reshard_after_forward=strategy
+        in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+        use_orig_params=use_orig_params,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+    )
+    wrapped = wrap_blocks(
+        model, classes, sharding_strategy=strategy, use_orig_params=use_orig_params, **kwargs
+    )
+    return wrapped, units
+
+
+def _shard(spec: ScenarioSpec, model: nn.Module, mesh: _Mesh) -> tuple[nn.Module, list]:
+    if spec.mesh in TP_MESHES:
+        _apply_tensor_parallel(model, spec, mesh.tp_mesh)
+    if spec.api == "fully_shard":
+        return _shard_fully(model, spec, mesh)
+    return _wrap(model, spec, mesh)
+
+
+def _no_sync(spec: ScenarioSpec) -> Callable[[nn.Module], Any]:
+    if spec.api == "fully_shard":
+        return gradient_sync_off
+    return lambda module: module.no_sync()
+
+
+def _state_dict_reload(spec: ScenarioSpec, device: torch.device, seed: int, mesh: _Mesh):
+    """Save ``model``'s state dict, load it into a fresh sharded model, return that one."""
+    full = spec.feature == "sd-full"
+
+    def reload(model: nn.Module) -> nn.Module:
+        fresh = _new_model(spec, device, seed + 1)  # other weights: loading must matter
+        _freeze(spec, fresh)
+        fresh, _ = _shard(spec, fresh, mesh)
+        if spec.api == "wrapper":
+            from reffsdp import FullyShardedDataParallel, StateDictType
+
+            kind = StateDictType.FULL_STATE_DICT if full else StateDictType.SHARDED_STATE_DICT
+            with FullyShardedDataParallel.state_dict_type(model, kind):
+                state = model.state_dict()
+            with FullyShardedDataParallel.state_dict_type(fresh, kind):
+                fresh.load_state_dict(state)
+            return fresh
+        if not full:
+            fresh.load_state_dict(model.state_dict())
+            return fresh
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(fresh, get_model_state_dict(model, options=options), options=options)
+        return fresh
+
+    return reload
+
+
+def build_scenario(spec: ScenarioSpec, device: torch.device, *, seed: int = 0) -> BuiltScenario:
+    """Build ``spec`` on this rank; every rank of the default group calls it together."""
+    mesh = _make_mesh(spec.mesh, device.type, spec.api)
+    model = _new_model(spec, device, seed)
+    _freeze(spec, model)
+    ref_model = copy.deepcopy(model)
+    model, units = _shard(spec, model, mesh)
+    check_kwargs: dict[str, Any] = {"optimizer_factory": LocalSGD}
+    microbatches = 1
+    if spec.feature == "accum":
+        microbatches = 2
+        check_kwargs.update(num_microbatches=2, no_sync=_no_sync(spec))
+    if spec.feature == "bf16":
+        ref_model = LowPrecisionCompute(ref_model, BF16)
+        model = Passthrough(model)
+    if spec.mesh in TP_MESHES:
+        check_kwargs.update(TP_TOLERANCES[spec.feature == "bf16"])
+    reload = None
+    if spec.feature in ("sd-full", "sd-sharded"):
+        reload = _state_dict_reload(spec, device, seed, mesh)
+    shape = StepShape(
+        shard_size=mesh.shard_size,
+        replicate_size=mesh.replicate_size,
+        num_microbatches=microbatches,
+        sync_every_microbatch=spec.feature != "accum",
+    )
+    return BuiltScenario(
+        ref_model=ref_model,
+        model=model,
+        make_inputs=_inputs(spec, device),
+        units=units,
+        shape=shape,
+        check_kwargs=check_kwargs,
+        reload=reload,
+    )
+
+
+class LocalSGD(torch.optim.Optimizer):
+    """The suite's optimizer: plain SGD, ``param -= lr * grad``, applied to each DTensor's
+    local shard.
+
+    Its update scales with the gradient, so a wrong gradient shows in the parameters, and
+    the small default rate keeps ReLUs from dying within a few steps. Elementwise math on
+    two DTensors of one placement is the same on the local shards; doing it there skips
+    DTensor's sharding propagation, which on a 3-D mesh costs a fifth of a second for every
+    parameter shape on every rank and would dominate the suite's run time.
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        assert closure is None, "LocalSGD takes no closure"
+        for group in self.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if isinstance(param, DTensor) and isinstance(grad, DTensor):
+                    if grad.placements == param.placements:
+                        param.to_local().add_(grad.to_local(), alpha=-group["lr"])
+                        continue
+                param.add_(grad, alpha=-group["lr"])
+
+
+def select(
+    specs: Sequence[ScenarioSpec],
+    *,
+    api: Sequence[str] = (),
+    mesh: Sequence[str] = (),
+    only: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+) -> list[ScenarioSpec]:
+    """``specs`` filtered: ``api``/``mesh`` (empty: all), then ``only``/``exclude``, fnmatch
+    globs on the name (a glob without wildcards matches as a substring)."""
+    import fnmatch
+
+    def matches(name: str, pattern: str) -> bool:
+        if not any(ch in pattern for ch in "*?["):
+            return pattern in name
+        return fnmatch.fnmatchcase(name, pattern)
+
+    for value, allowed in ((api, APIS), (mesh, MESHES)):
+        unknown = sorted(set(value) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown choice(s) {unknown}; pick from {list(allowed)}")
+    chosen = []
+    for spec in specs:
+        if api and spec.api not in api:
+            continue
+        if mesh and spec.mesh not in mesh:
+            continue
+        if only and not any(matches(spec.name, p) for p in only):
+            continue
+        if any(matches(spec.name, p) for p in exclude):
+            continue
+        chosen.append(spec)
+    return chosen

@@ -1,0 +1,122 @@
+"""The parity suite's matrix, its filters, and the expected-collective arithmetic (no ranks)."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch.nn as nn
+
+from reffsdp.testing.expected_comms import (
+    CommUnit,
+    StepShape,
+    expected_per_step,
+    flat_numel,
+    fully_shard_units,
+    padded_numel,
+)
+from reffsdp.testing.models import MLPStack
+from reffsdp.testing.parity_suite import SuiteOptions, list_scenarios, parity_scenarios
+from reffsdp.testing.suite_scenarios import APIS, FEATURES, MESHES, MODELS, WRAPPER_MESHES
+
+
+def names(**kwargs) -> list[str]:
+    return [info.name for info in list_scenarios(SuiteOptions(**kwargs))]
+
+
+def test_every_feature_on_every_mesh_of_each_api_and_every_model_on_each_api():
+    infos = list_scenarios(SuiteOptions())
+    assert len({info.name for info in infos}) == len(infos)
+    cells = {(i.api, i.mesh, i.feature) for i in infos}
+    for api in APIS:
+        meshes = MESHES if api == "fully_shard" else WRAPPER_MESHES
+        for mesh in meshes:
+            for feature in FEATURES:
+                if feature == "orig-params" and api == "fully_shard":
+                    continue
+                assert (api, mesh, feature) in cells, (api, mesh, feature)
+        assert {i.model for i in infos if i.api == api} == set(MODELS)
+    assert not [i for i in infos if i.api == "wrapper" and i.mesh in ("2d", "3d")]
+    assert all(i.name == f"{i.api}/{i.mesh}/{i.feature}/{i.model}" for i in infos)
+
+
+def test_world_sizes_per_backend():
+    threaded = {i.mesh: i.world_size for i in list_scenarios(SuiteOptions(world_size=4))}
+    assert threaded == {"1d": 4, "hsdp": 4, "2d": 4, "3d": 8}
+    gloo = {i.mesh: i.world_size for i in list_scenarios(SuiteOptions(backend="gloo"))}
+    assert gloo == {"1d": 4, "hsdp": 4, "2d": 4, "3d": 4}  # run_suite skips 3d there
+
+
+def test_filters():
+    everything = names()
+    assert names(api=("wrapper",)) == [n for n in everything if n.startswith("wrapper/")]
+    assert names(mesh=("3d",)) == [n for n in everything if "/3d/" in n]
+    assert names(only=("*/hsdp/bf16/*",)) == [
+        "fully_shard/hsdp/bf16/convnet",
+        "wrapper/hsdp/bf16/convnet",
+    ]
+    assert names(only=("wrapper/1d/fp32/*", "*/3d/tied/*")) == [
+        "fully_shard/3d/tied/mlp",
+        "wrapper/1d/fp32/convnet",
+    ]
+    assert names(only=("sd-",)) == [n for n in everything if "/sd-" in n]  # no glob: substring
+    assert names(mesh=("1d",), exclude=("*transformer",)) == [
+        n for n in everything if "/1d/" in n and not n.endswith("transformer")
+    ]
+    assert names(only=("no-such-scenario",)) == []
+    with pytest.raises(ValueError, match="unknown choice"):
+        names(mesh=("4d",))
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="backend"):
+        SuiteOptions(backend="mpi")
+    with pytest.raises(ValueError, match="steps"):
+        SuiteOptions(steps=0)
+
+
+def test_parity_scenarios_for_a_custom_model():
+    scenarios = parity_scenarios(lambda: nn.Linear(4, 4), lambda i, r: None)
+    assert len(scenarios) == 2 * 2 * 6
+    assert scenarios[0].name == "fully_shard/1d/fp32/custom"
+    with pytest.raises(ValueError, match="tensor-parallel plan"):
+        parity_scenarios(lambda: nn.Linear(4, 4), lambda i, r: None, meshes=("2d",))
+    with pytest.raises(ValueError, match="both"):
+        parity_scenarios(lambda: nn.Linear(4, 4))
+    builtin = parity_scenarios(apis=("wrapper",), meshes=("hsdp",), features=("fp32", "tied"))
+    assert [s.name for s in builtin] == ["wrapper/hsdp/fp32/mlp", "wrapper/hsdp/tied/transformer"]
+
+
+def test_padding_arithmetic():
+    assert padded_numel((15, 5), 4) == 16 * 5
+    assert padded_numel((16,), 4) == 16
+    # Linear(5, 3) on 2 ranks: 15 + 3 elements; aligned to 4 fp32 elements, the bias
+    # starts at 16 and the total 19 pads to 20.
+    assert flat_numel([(3, 5), (3,)], 2, None) == 18
+    assert flat_numel([(3, 5), (3,)], 2, 4) == 20
+    assert flat_numel([(3, 5), (3,)], 4, None) == 20
+
+
+def test_full_shard_minimum_is_three_gathers_worth_less_the_unsharded_root():
+    shape = StepShape(shard_size=4)
+    block = CommUnit("b", 100, 100, 4, 4, True)
+    root = CommUnit("r", 20, 20, 4, 4, False)
+    counts, nbytes = expected_per_step([block, root], shape)
+    assert counts == {"all_gather": 3.0, "reduce_scatter": 2.0, "all_reduce": 0.0}
+    assert nbytes == Fraction(3 * 400 * 3, 4) + Fraction(2 * 80 * 3, 4)
+    hsdp, _ = expected_per_step([block], StepShape(shard_size=2, replicate_size=2))
+    assert hsdp == {"all_gather": 2.0, "reduce_scatter": 1.0, "all_reduce": 1.0}
+    frozen = CommUnit("f", 100, 0, 4, 4, True)
+    accum, _ = expected_per_step(
+        [frozen, block], StepShape(4, num_microbatches=2, sync_every_microbatch=False)
+    )
+    assert accum == {"all_gather": 8.0, "reduce_scatter": 1.0, "all_reduce": 0.0}
+
+
+def test_fully_shard_units_follow_ownership_and_the_root_rule():
+    model = MLPStack(5)
+    model[1].requires_grad_(False)
+    units = fully_shard_units([*model, model], 4)
+    assert [u.reshard_after_forward for u in units] == [True, True, True]  # root: no params
+    assert units[1].reduce_numel == 0
+    assert units[0].gather_numel == 16 * 5 + 16 + 8 * 15 + 8
