@@ -4,6 +4,7 @@ pytest sessions of their own (pytester) exactly as a downstream project loads th
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import reffsdp.testing.pytest_plugin as plugin
 
@@ -126,3 +127,11 @@ def test_comm_counter_counts_per_rank_and_outside_a_world(pytester):
         """,
     )
     result.assert_outcomes(passed=2)
+
+
+def test_the_readme_example_passes(pytester):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("### pytest plugin") :]
+    start = section.index("```python\n") + len("```python\n")
+    result = run(pytester, section[start : section.index("```", start)])
+    result.assert_outcomes(passed=1)
