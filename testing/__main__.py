@@ -265,6 +265,12 @@ def _reffsdp_version() -> str:
         return "unknown"
 
 
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return platform.processor() or platform.machine()
+
+
 def run_info(
     args: argparse.Namespace, started: datetime.datetime, seconds: float
 ) -> report.RunInfo:
@@ -273,6 +279,7 @@ def run_info(
         reffsdp_version=_reffsdp_version(),
         python_version=platform.python_version(),
         device=args.device,
+        device_name=_device_name(args.device),
         backend=args.backend,
         world_size=args.world_size,
         seed=args.seed,
@@ -308,7 +315,11 @@ def _run_collecting(
 
     try:
         with progress:
-            run(options, on_result=on_result)
+            returned = run(options, on_result=on_result)
+            seen = {id(result) for result in results}
+            for result in returned or ():  # any the engine did not report as it went
+                if id(result) not in seen:
+                    on_result(result)
     except Exception:  # noqa: BLE001 - reported with the partial results, then exit 1
         return results, traceback.format_exc()
     return results, None

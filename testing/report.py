@@ -44,7 +44,8 @@ class RunInfo:
     torch_version: str
     reffsdp_version: str
     python_version: str
-    device: str
+    device: str  # "cpu" or "cuda"
+    device_name: str  # the GPU's name, or the CPU's
     backend: str
     world_size: int
     seed: int

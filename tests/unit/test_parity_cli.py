@@ -130,6 +130,7 @@ class StandInEngine:
         ]
         self.options: list[SuiteOptions] = []
         self.crash_after: int | None = None
+        self.calls_on_result = True
 
     def list_scenarios(self, options: SuiteOptions) -> list[ScenarioInfo]:
         self.options.append(options)
@@ -154,7 +155,7 @@ class StandInEngine:
         for index, res in enumerate(chosen):
             if index == self.crash_after:
                 raise RuntimeError("rank 2 lost its process group")
-            if on_result is not None:
+            if on_result is not None and self.calls_on_result:
                 on_result(res)
         return chosen
 
@@ -340,6 +341,15 @@ def test_the_table_shows_a_count_mismatch(engine, capsys):
     assert "differs" in out  # the legend says what "!" means
 
 
+def test_results_the_engine_only_returns_are_reported_too(engine, capsys):
+    engine.calls_on_result = False
+    engine.results[2] = result("wrapper/3d/fp32/mlp", "failed", "params differ")
+    assert cli.main([]) == 1
+    out = capsys.readouterr().out
+    assert "[1/3] PASS fully_shard/1d/fp32/mlp" in out and "[3/3] FAIL wrapper/3d" in out
+    assert "2 passed, 1 failed, 0 skipped" in out
+
+
 def test_an_engine_crash_keeps_the_finished_results(engine, capsys, tmp_path):
     engine.crash_after = 1
     paths = ["--json", str(tmp_path / "r.json"), "--junit-xml", str(tmp_path / "r.xml")]
@@ -380,6 +390,7 @@ def test_json_report_carries_metadata_summary_and_scenarios(engine, tmp_path, ca
     assert document["reffsdp_version"]
     meta = {k: document[k] for k in ("device", "backend", "world_size", "seed", "steps")}
     assert meta == {"device": "cpu", "backend": "threaded", "world_size": 4, "seed": 3, "steps": 3}
+    assert document["device_name"]
     assert document["started"].endswith("+00:00") and document["seconds"] >= 0
     assert document["filters"]["mesh"] == ["hsdp", "3d"]
     assert document["summary"] == {"total": 2, "passed": 1, "failed": 0, "skipped": 1}
