@@ -183,7 +183,7 @@ def _describe_filters(args: argparse.Namespace) -> str:
         for flag in ("api", "mesh", "only", "exclude")
         for value in getattr(args, flag)
     ]
-    return " ".join(given) if given else "(no filters)"
+    return " ".join(given)
 
 
 # --- live output --------------------------------------------------------------------------
@@ -408,10 +408,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_self_test(engine_module, args, options)
     scenarios = engine_module.list_scenarios(options)
     if not scenarios:
-        parser.error(
-            f"no scenario matches {_describe_filters(args)} on the {args.backend} backend; "
-            "--list without filters shows every name"
-        )
+        where = f"the {args.backend} backend at world size {args.world_size}"
+        if any(getattr(args, flag) for flag in ("api", "mesh", "only", "exclude")):
+            parser.error(
+                f"no scenario matches {_describe_filters(args)} on {where}; "
+                "--list without filters shows every name"
+            )
+        parser.error(f"the parity suite has no scenario for {where}")
     if args.list:
         for scenario in scenarios:
             print(scenario.name)

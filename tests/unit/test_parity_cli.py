@@ -226,8 +226,10 @@ def test_defaults_and_filters_reach_the_engine_as_options(engine):
 
 
 def test_filters_that_match_nothing_are_a_usage_error(engine, capsys):
-    err = usage_error(capsys, ["--only", "nothing*"])
-    assert "no scenario matches --only nothing*" in err
+    err = usage_error(capsys, ["--only", "nothing*", "--api", "wrapper"])
+    assert "no scenario matches --api wrapper --only nothing* on the threaded backend" in err
+    engine.results = []
+    assert "no scenario for the threaded backend at world size 4" in usage_error(capsys, [])
 
 
 @pytest.mark.parametrize(
