@@ -1,0 +1,418 @@
+"""What the parity suite's command line prints and writes, as pure functions of its results.
+
+Everything here takes the engine's results (:class:`~reffsdp.testing.parity_suite.ScenarioResult`
+and ``SelfTestResult``, read by attribute) plus a :class:`RunInfo`, and returns text, a
+JSON-ready dict or an XML tree; ``python -m reffsdp.testing`` (``testing/__main__.py``) does
+the printing and the file writing. Three outputs:
+
+* the terminal: a progress line per scenario as it finishes, then a table, a summary line
+  and the failures with their messages;
+* ``--json FILE``: run metadata, a summary and every result's ``to_dict()``;
+* ``--junit-xml FILE``: JUnit XML (one ``testcase`` per scenario, ``failure`` and
+  ``skipped`` elements), the format GitLab, GitHub actions and Jenkins read.
+
+Per-step collective counts are shown next to what the scenario expects, ``measured/expected``,
+with a ``!`` where they differ::
+
+    >>> format_count(4, 4)
+    '4/4'
+    >>> format_count(2.5, 3)
+    '2.5/3!'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from typing import Any
+
+PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+
+# Table columns for the per-step collective counts: (short header, key in ``counts``).
+COUNT_COLUMNS = (("AG", "all_gather"), ("RS", "reduce_scatter"), ("AR", "all_reduce"))
+
+_STATUS_WORDS = {PASSED: "PASS", FAILED: "FAIL", SKIPPED: "SKIP"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """What one run of the suite was: versions, options, when it started, how long it took."""
+
+    torch_version: str
+    reffsdp_version: str
+    python_version: str
+    device: str  # "cpu" or "cuda"
+    device_name: str  # the GPU's name, or the CPU's
+    backend: str
+    world_size: int
+    seed: int
+    steps: int
+    started: str  # ISO 8601, UTC
+    seconds: float
+    filters: dict[str, list[str]]  # api, mesh, only, exclude as given ([] = all)
+
+
+# --- the terminal -------------------------------------------------------------------------
+
+
+def status_word(status: str) -> str:
+    """``PASS``, ``FAIL`` or ``SKIP``; an unknown status is shown upper-cased."""
+    return _STATUS_WORDS.get(status, status.upper())
+
+
+def is_failure(status: str) -> bool:
+    """Anything but passed or skipped counts as a failure (for the exit code too)."""
+    return status not in (PASSED, SKIPPED)
+
+
+def first_line(text: str, limit: int = 100) -> str:
+    """The first non-empty line of ``text``, cut to ``limit`` characters."""
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def progress_line(index: int, total: int, result: Any) -> str:
+    """One scenario as it finishes: ``[12/40] PASS fully_shard/hsdp/bf16/mlp 1.2 s``.
+
+    Failures and skips add the first line of their message.
+    """
+    line = f"[{index}/{total}] {status_word(result.status)} {result.name} {result.seconds:.1f} s"
+    if result.status != PASSED and result.message:
+        line += f"  ({first_line(result.message)})"
+    return line
+
+
+def progress_bar(done: int, total: int, seconds: float, width: int = 30) -> str:
+    """A one-line bar for terminals::
+
+    >>> progress_bar(3, 12, 4.25, width=12)
+    '[===>........] 3/12  25%  4.2 s'
+    """
+    fraction = done / total if total else 1.0
+    filled = int(fraction * width)
+    bar = "=" * filled
+    if filled < width:
+        bar += ">" if filled else "."
+        bar += "." * (width - filled - 1)
+    return f"[{bar}] {done}/{total} {fraction:4.0%}  {seconds:.1f} s"
+
+
+def format_number(value: float) -> str:
+    """A count per step: whole numbers as integers, others with up to 3 digits."""
+    return f"{value:.3g}"
+
+
+def counts_differ(measured: float, expected: float) -> bool:
+    return not math.isclose(measured, expected, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def format_count(measured: float | None, expected: float | None) -> str:
+    """``measured/expected`` collectives per step, ``!`` appended where they differ."""
+    if measured is None and expected is None:
+        return "-"
+    measured, expected = measured or 0.0, expected or 0.0
+    mark = "!" if counts_differ(measured, expected) else ""
+    return f"{format_number(measured)}/{format_number(expected)}{mark}"
+
+
+def format_bytes(value: int | None) -> str:
+    """Binary units, one decimal: ``format_bytes(1536)`` is ``'1.5 KiB'``."""
+    if value is None:
+        return "-"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_diff(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
+def format_tolerance(atol: float | None, rtol: float | None) -> str:
+    if atol is None and rtol is None:
+        return "-"
+    return "/".join("-" if value is None else f"{value:g}" for value in (atol, rtol))
+
+
+_HEADERS = (
+    "scenario",
+    "status",
+    "steps",
+    "max|Δloss|",
+    "max|Δgrad|",
+    "max|Δparam|",
+    "atol/rtol",
+    *(header for header, _ in COUNT_COLUMNS),
+    "bytes/rank/step (min)",
+    "s",
+)
+_LEFT_ALIGNED = {"scenario", "status"}
+
+
+def table_row(result: Any) -> list[str]:
+    """One scenario's cells, in the order of the table's headers."""
+    counts, expected = result.counts or {}, result.expected_counts or {}
+    if result.bytes_per_step is None and result.min_bytes_per_step is None:
+        traffic = "-"
+    else:
+        traffic = (
+            f"{format_bytes(result.bytes_per_step)} ({format_bytes(result.min_bytes_per_step)})"
+        )
+    return [
+        result.name,
+        status_word(result.status),
+        str(result.steps),
+        format_diff(result.max_loss_diff),
+        format_diff(result.max_grad_diff),
+        format_diff(result.max_param_diff),
+        format_tolerance(result.atol, result.rtol),
+        *(
+            "-" if result.status == SKIPPED else format_count(counts.get(key), expected.get(key))
+            for _, key in COUNT_COLUMNS
+        ),
+        traffic,
+        f"{result.seconds:.1f}",
+    ]
+
+
+def format_table(results: Sequence[Any]) -> str:
+    """Every scenario's numbers, aligned, with a legend for the count columns."""
+    rows = [list(_HEADERS), *(table_row(result) for result in results)]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(_HEADERS))]
+
+    def line(cells: list[str]) -> str:
+        padded = [
+            cell.ljust(width) if header in _LEFT_ALIGNED else cell.rjust(width)
+            for header, cell, width in zip(_HEADERS, cells, widths)
+        ]
+        return "  ".join(padded).rstrip()
+
+    lines = [line(rows[0]), "  ".join("-" * width for width in widths)]
+    lines += [line(row) for row in rows[1:]]
+    lines.append(
+        "AG/RS/AR: all-gathers, reduce-scatters, all-reduces per step, measured/expected "
+        "(! = differs); bytes sent per rank per step (analytic minimum)"
+    )
+    return "\n".join(lines)
+
+
+def summarize(results: Sequence[Any]) -> dict[str, int]:
+    """``{"total", "passed", "failed", "skipped"}``; unknown statuses count as failed."""
+    passed = sum(result.status == PASSED for result in results)
+    skipped = sum(result.status == SKIPPED for result in results)
+    return {
+        "total": len(results),
+        "passed": passed,
+        "failed": len(results) - passed - skipped,
+        "skipped": skipped,
+    }
+
+
+def summary_line(results: Sequence[Any], seconds: float) -> str:
+    """``40 passed, 0 failed, 2 skipped in 95.3 s``."""
+    counts = summarize(results)
+    return (
+        f"{counts['passed']} passed, {counts['failed']} failed, "
+        f"{counts['skipped']} skipped in {seconds:.1f} s"
+    )
+
+
+def format_failures(results: Sequence[Any]) -> str:
+    """Each failed scenario with its whole message, indented; ``""`` when none failed."""
+    sections = []
+    for result in results:
+        if is_failure(result.status):
+            message = result.message.strip() or "(no message)"
+            body = "\n".join("    " + line for line in message.splitlines())
+            sections.append(f"FAILED {result.name}\n{body}")
+    return "\n".join(sections)
+
+
+def format_skips(results: Sequence[Any]) -> str:
+    """One line per skipped scenario with its reason; ``""`` when none skipped."""
+    return "\n".join(
+        f"skipped {result.name}: {first_line(result.message, 200) or '(no reason)'}"
+        for result in results
+        if result.status == SKIPPED
+    )
+
+
+# --- the self-test ------------------------------------------------------------------------
+
+
+def self_test_line(index: int, result: Any) -> str:
+    """One planted bug: ``[3] CAUGHT fully_shard: wrong divide factor by gradients: ...``."""
+    if result.caught:
+        verdict = f"CAUGHT {result.api}: {result.bug}  by {result.caught_by}"
+    else:
+        verdict = f"MISSED {result.api}: {result.bug}  (no check failed)"
+    return f"[{index}] {verdict}  {result.seconds:.1f} s"
+
+
+def summarize_self_test(results: Sequence[Any]) -> dict[str, int]:
+    caught = sum(bool(result.caught) for result in results)
+    return {"total": len(results), "caught": caught, "missed": len(results) - caught}
+
+
+def self_test_summary(results: Sequence[Any], seconds: float) -> str:
+    """``11 of 12 planted bugs caught in 30.1 s`` and the missed ones by name."""
+    counts = summarize_self_test(results)
+    line = f"{counts['caught']} of {counts['total']} planted bugs caught in {seconds:.1f} s"
+    missed = [f"{result.api}: {result.bug}" for result in results if not result.caught]
+    if missed:
+        line += "\nMISSED (the suite did not notice these bugs):\n" + "\n".join(
+            "    " + name for name in missed
+        )
+    return line
+
+
+# --- --json -------------------------------------------------------------------------------
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities as strings ("nan", "inf"): JSON has no such numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
+
+
+def _run_fields(info: RunInfo) -> dict[str, Any]:
+    return dataclasses.asdict(info)
+
+
+def suite_json(info: RunInfo, results: Sequence[Any], error: str | None = None) -> dict:
+    """The ``--json`` document of a suite run; ``error`` is set when the engine crashed."""
+    document = {
+        **_run_fields(info),
+        "summary": summarize(results),
+        "scenarios": [result.to_dict() for result in results],
+    }
+    if error is not None:
+        document["error"] = error
+    return _json_safe(document)
+
+
+def self_test_json(info: RunInfo, results: Sequence[Any], error: str | None = None) -> dict:
+    """The ``--json`` document of ``--self-test``: ``summary`` counts caught and missed bugs."""
+    document = {
+        **_run_fields(info),
+        "summary": summarize_self_test(results),
+        "scenarios": [],
+        "self_test": [result.to_dict() for result in results],
+    }
+    if error is not None:
+        document["error"] = error
+    return _json_safe(document)
+
+
+# --- --junit-xml --------------------------------------------------------------------------
+
+# Characters XML 1.0 cannot hold (control characters such as a traceback's colour codes).
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _xml_text(text: str) -> str:
+    return _NOT_XML.sub("?", text)
+
+
+def _testsuite(name: str, info: RunInfo, cases: list[ET.Element], error: str | None) -> ET.Element:
+    if error is not None:
+        crash = ET.Element("testcase", classname=name, name="engine", time="0.000")
+        ET.SubElement(
+            crash, "error", message=_xml_text(first_line(error, 200)), type="EngineError"
+        ).text = _xml_text(error)
+        cases = [*cases, crash]
+    suite = ET.Element(
+        "testsuite",
+        name=name,
+        tests=str(len(cases)),
+        failures=str(sum(case.find("failure") is not None for case in cases)),
+        errors=str(sum(case.find("error") is not None for case in cases)),
+        skipped=str(sum(case.find("skipped") is not None for case in cases)),
+        time=f"{info.seconds:.3f}",
+        timestamp=info.started,
+    )
+    properties = ET.SubElement(suite, "properties")
+    for key, value in _run_fields(info).items():
+        if key not in ("started", "seconds"):
+            ET.SubElement(properties, "property", name=key, value=_xml_text(str(value)))
+    suite.extend(cases)
+    root = ET.Element(
+        "testsuites",
+        name=name,
+        tests=suite.get("tests"),
+        failures=suite.get("failures"),
+        errors=suite.get("errors"),
+        skipped=suite.get("skipped"),
+        time=suite.get("time"),
+    )
+    root.append(suite)
+    return root
+
+
+def _metrics(result: Any) -> str:
+    """One line of a scenario's numbers, for its ``system-out``."""
+    cells = dict(zip(_HEADERS, table_row(result)))
+    return "  ".join(f"{key} {cells[key]}" for key in _HEADERS[2:])
+
+
+def suite_junit(info: RunInfo, results: Sequence[Any], error: str | None = None) -> ET.Element:
+    """JUnit XML of a suite run: one ``testcase`` per scenario, classname ``parity.API.MESH``."""
+    cases = []
+    for result in results:
+        case = ET.Element(
+            "testcase",
+            classname=f"parity.{result.api}.{result.mesh}",
+            name=result.name,
+            time=f"{result.seconds:.3f}",
+        )
+        message = _xml_text(result.message or "")
+        if result.status == SKIPPED:
+            ET.SubElement(case, "skipped", message=first_line(message, 200)).text = message
+        elif is_failure(result.status):
+            failure = ET.SubElement(
+                case, "failure", message=first_line(message, 200), type="ParityFailure"
+            )
+            failure.text = message
+        ET.SubElement(case, "system-out").text = _xml_text(_metrics(result))
+        cases.append(case)
+    return _testsuite("reffsdp-parity", info, cases, error)
+
+
+def self_test_junit(info: RunInfo, results: Sequence[Any], error: str | None = None) -> ET.Element:
+    """JUnit XML of ``--self-test``: one ``testcase`` per planted bug, failed when missed."""
+    cases = []
+    for result in results:
+        case = ET.Element(
+            "testcase",
+            classname=f"self_test.{result.api}",
+            name=result.bug,
+            time=f"{result.seconds:.3f}",
+        )
+        if result.caught:
+            ET.SubElement(case, "system-out").text = _xml_text(f"caught by {result.caught_by}")
+        else:
+            ET.SubElement(
+                case,
+                "failure",
+                message="the planted bug was not caught",
+                type="MissedBug",
+            ).text = f"{result.api}: {result.bug}: no check of the parity suite failed"
+        cases.append(case)
+    return _testsuite("reffsdp-parity-self-test", info, cases, error)
+
+
+def junit_bytes(root: ET.Element) -> bytes:
+    """The document with an XML declaration, indented for people reading it."""
+    ET.indent(root)
+    return ET.tostring(root, encoding="utf-8", xml_declaration=True)

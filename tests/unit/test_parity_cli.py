@@ -1,0 +1,494 @@
+"""The parity suite's command line (``python -m reffsdp.testing``) and its reports.
+
+A stand-in engine, installed over ``reffsdp.testing.parity_suite``'s contract names for the
+length of a test, returns results chosen by each test, so these tests are fast and check only
+what the command line does with them: arguments, live lines, table, JSON, JUnit XML, exit
+status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import io
+import json
+import math
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from reffsdp.testing import __main__ as cli
+from reffsdp.testing import parity_suite, report
+
+ROOT = Path(__file__).resolve().parents[2]
+COUNTS = {"all_gather": 4.0, "reduce_scatter": 4.0, "all_reduce": 0.0}
+
+
+# --- the stand-in engine (the contract's names and fields) --------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteOptions:
+    backend: str = "threaded"
+    device: str = "cpu"
+    world_size: int = 4
+    api: tuple[str, ...] = ()
+    mesh: tuple[str, ...] = ()
+    only: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    steps: int = 3
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ScenarioInfo:
+    name: str
+    api: str
+    mesh: str
+    feature: str
+    model: str
+    world_size: int
+
+
+@dataclasses.dataclass
+class ScenarioResult:
+    name: str
+    api: str
+    mesh: str
+    feature: str
+    model: str
+    status: str
+    message: str
+    world_size: int
+    steps: int
+    max_loss_diff: float | None
+    max_grad_diff: float | None
+    max_param_diff: float | None
+    atol: float | None
+    rtol: float | None
+    counts: dict[str, float]
+    expected_counts: dict[str, float]
+    bytes_per_step: int | None
+    min_bytes_per_step: int | None
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class SelfTestResult:
+    bug: str
+    api: str
+    caught: bool
+    caught_by: str
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def result(name: str, status: str = "passed", message: str = "", **fields) -> ScenarioResult:
+    api, mesh, feature, model = name.split("/")
+    values = dict(
+        world_size=4,
+        steps=3,
+        max_loss_diff=0.0,
+        max_grad_diff=1.5e-7,
+        max_param_diff=2e-7,
+        atol=1e-5,
+        rtol=1e-5,
+        counts=dict(COUNTS),
+        expected_counts=dict(COUNTS),
+        bytes_per_step=4096,
+        min_bytes_per_step=3072,
+        seconds=1.25,
+    )
+    if status == "skipped":
+        values.update(max_loss_diff=None, max_grad_diff=None, max_param_diff=None, counts={})
+    values.update(fields)
+    return ScenarioResult(name, api, mesh, feature, model, status, message, **values)
+
+
+class StandInEngine:
+    """list_scenarios / run_suite / run_self_test over results a test sets."""
+
+    def __init__(self) -> None:
+        self.results = [
+            result("fully_shard/1d/fp32/mlp"),
+            result("fully_shard/hsdp/bf16/mlp"),
+            result("wrapper/3d/fp32/mlp", "skipped", "needs 8 ranks, the gloo world has 4"),
+        ]
+        self.bugs = [
+            SelfTestResult("wrong gradient divide factor", "fully_shard", True, "grad 0.5", 1.0),
+            SelfTestResult("reshard skipped", "wrapper", True, "all_gather 2/4", 0.5),
+        ]
+        self.options: list[SuiteOptions] = []
+        self.crash_after: int | None = None
+        self.calls_on_result = True
+
+    def list_scenarios(self, options: SuiteOptions) -> list[ScenarioInfo]:
+        self.options.append(options)
+        return [
+            ScenarioInfo(r.name, r.api, r.mesh, r.feature, r.model, r.world_size)
+            for r in self.results
+            if self._selected(r.name, r.api, r.mesh, options)
+        ]
+
+    @staticmethod
+    def _selected(name: str, api: str, mesh: str, options: SuiteOptions) -> bool:
+        return (
+            (not options.api or api in options.api)
+            and (not options.mesh or mesh in options.mesh)
+            and (not options.only or any(fnmatch.fnmatch(name, g) for g in options.only))
+            and not any(fnmatch.fnmatch(name, g) for g in options.exclude)
+        )
+
+    def run_suite(self, options: SuiteOptions, on_result: Callable | None = None) -> list:
+        self.options.append(options)
+        chosen = [r for r in self.results if self._selected(r.name, r.api, r.mesh, options)]
+        for index, res in enumerate(chosen):
+            if index == self.crash_after:
+                raise RuntimeError("rank 2 lost its process group")
+            if on_result is not None and self.calls_on_result:
+                on_result(res)
+        return chosen
+
+    def run_self_test(self, options: SuiteOptions, on_result: Callable | None = None) -> list:
+        self.options.append(options)
+        for bug in self.bugs:
+            if on_result is not None:
+                on_result(bug)
+        return list(self.bugs)
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    """The stand-in, installed where the command line looks for the engine."""
+    stand_in = StandInEngine()
+    monkeypatch.setattr(parity_suite, "SuiteOptions", SuiteOptions, raising=False)
+    for name in ("list_scenarios", "run_suite", "run_self_test"):
+        monkeypatch.setattr(parity_suite, name, getattr(stand_in, name), raising=False)
+    return stand_in
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+@pytest.fixture
+def one_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+def usage_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+# --- arguments ----------------------------------------------------------------------------
+
+
+def test_list_prints_the_selected_names(engine, capsys):
+    assert cli.main(["--list"]) == 0
+    assert capsys.readouterr().out.split() == [r.name for r in engine.results]
+    assert cli.main(["--list", "--api", "fully_shard", "--exclude", "*/1d/*"]) == 0
+    assert capsys.readouterr().out.split() == ["fully_shard/hsdp/bf16/mlp"]
+
+
+def test_defaults_and_filters_reach_the_engine_as_options(engine):
+    assert cli.main(["--list"]) == 0
+    assert engine.options[-1] == SuiteOptions()  # the threaded backend on CPU, 4 ranks
+    argv = ["--list", "--api", "wrapper", "--api", "fully_shard", "--api", "wrapper"]
+    argv += ["--mesh", "hsdp", "--only", "*/bf16/*", "--only", "*mlp", "--exclude", "x*"]
+    argv += ["--world-size", "2", "--steps", "5", "--seed", "7", "--backend", "gloo"]
+    assert cli.main(argv) == 0
+    assert engine.options[-1] == SuiteOptions(
+        backend="gloo",
+        world_size=2,
+        api=("wrapper", "fully_shard"),
+        mesh=("hsdp",),
+        only=("*/bf16/*", "*mlp"),
+        exclude=("x*",),
+        steps=5,
+        seed=7,
+    )
+
+
+def test_filters_that_match_nothing_are_a_usage_error(engine, capsys):
+    err = usage_error(capsys, ["--only", "nothing*", "--api", "wrapper"])
+    assert "no scenario matches --api wrapper --only nothing* on the threaded backend" in err
+    engine.results = []
+    assert "no scenario for the threaded backend at world size 4" in usage_error(capsys, [])
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["--backend", "nccl"], "--backend nccl needs CUDA, which is not available"),
+        (["--device", "cuda"], "--device cuda needs CUDA, which is not available"),
+        (["--world-size", "0"], "--world-size: must be at least 1, got 0"),
+        (["--steps", "two"], "--steps: expected a whole number, got 'two'"),
+        (["--mesh", "4d"], "--mesh: invalid choice: '4d'"),
+        (["--api", "ddp"], "--api: invalid choice: 'ddp'"),
+        (["--backend", "mpi"], "--backend: invalid choice: 'mpi'"),
+        (["--list", "--self-test"], "--self-test: not allowed with argument --list"),
+    ],
+)
+def test_bad_arguments_name_the_problem(engine, no_cuda, capsys, argv, problem):
+    assert problem in usage_error(capsys, argv)
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["--backend", "gloo", "--device", "cuda"], "--backend gloo runs on CPU"),
+        (["--backend", "nccl", "--device", "cpu"], "--backend nccl runs on CUDA"),
+        (["--backend", "nccl"], "--world-size 4 needs 4 GPUs, this machine has 1"),
+    ],
+)
+def test_backend_and_device_must_agree(engine, one_gpu, capsys, argv, problem):
+    assert problem in usage_error(capsys, argv)
+
+
+def test_nccl_runs_on_cuda_with_one_rank_per_gpu(engine, one_gpu):
+    assert cli.main(["--list", "--backend", "nccl", "--world-size", "1"]) == 0
+    assert engine.options[-1] == SuiteOptions(backend="nccl", device="cuda", world_size=1)
+    assert cli.main(["--list", "--device", "cuda", "--world-size", "8"]) == 0
+    assert engine.options[-1] == SuiteOptions(device="cuda", world_size=8)
+
+
+def test_a_report_path_that_is_a_directory_is_refused(engine, capsys, tmp_path):
+    assert "--json" in usage_error(capsys, ["--json", str(tmp_path)])
+
+
+def test_without_the_engine_the_command_says_so(monkeypatch, capsys):
+    for name in cli.ENGINE_NAMES:
+        monkeypatch.delattr(parity_suite, name, raising=False)
+    assert cli.main([]) == 1
+    assert "engine not available" in capsys.readouterr().err
+
+
+def test_module_runs_as_a_program():
+    done = subprocess.run(
+        [sys.executable, "-m", "reffsdp.testing", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--junit-xml" in done.stdout and "--self-test" in done.stdout
+
+
+def test_console_script_points_at_main():
+    tomllib = pytest.importorskip("tomllib")
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, function = scripts["reffsdp-parity"].partition(":")
+    assert module == "reffsdp.testing.__main__" and function == "main"
+    assert getattr(sys.modules[module], function) is cli.main
+
+
+# --- running and printing -----------------------------------------------------------------
+
+
+def test_a_passing_run_prints_lines_table_and_summary(engine, capsys):
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert "[1/3] PASS fully_shard/1d/fp32/mlp 1.2 s" in out
+    assert "[3/3] SKIP wrapper/3d/fp32/mlp 1.2 s  (needs 8 ranks" in out
+    table = out[out.index("scenario") :]
+    row = next(line for line in table.splitlines() if line.startswith("fully_shard/hsdp"))
+    assert row.split() == [
+        *("fully_shard/hsdp/bf16/mlp", "PASS", "3", "0.0e+00", "1.5e-07", "2.0e-07"),
+        *("1e-05/1e-05", "4/4", "4/4", "0/0", "4.0", "KiB", "(3.0", "KiB)", "1.2"),
+    ]
+    assert "skipped wrapper/3d/fp32/mlp: needs 8 ranks" in out
+    assert out.rstrip().splitlines()[-1].startswith("2 passed, 0 failed, 1 skipped in ")
+    assert "\r" not in out  # no progress bar where stdout is not a terminal
+
+
+def test_a_failing_scenario_fails_the_run_and_shows_its_message(engine, capsys):
+    engine.results[1] = result(
+        "fully_shard/hsdp/bf16/mlp", "failed", "gradients differ at step 2\nmax |Δgrad| 0.5"
+    )
+    assert cli.main([]) == 1
+    out = capsys.readouterr().out
+    assert "[2/3] FAIL fully_shard/hsdp/bf16/mlp 1.2 s  (gradients differ at step 2)" in out
+    failures = out[out.index("FAILED fully_shard/hsdp/bf16/mlp") :]
+    assert "    gradients differ at step 2\n    max |Δgrad| 0.5" in failures
+    assert out.index("scenario") < out.index("FAILED")  # after the table
+    assert "1 passed, 1 failed, 1 skipped in" in out
+
+
+def test_the_table_shows_a_count_mismatch(engine, capsys):
+    counts = {"all_gather": 5.0, "reduce_scatter": 4.0, "all_reduce": 0.0}
+    engine.results[0] = result(
+        "fully_shard/1d/fp32/mlp", "failed", "all_gather: 5 per step, expected 4", counts=counts
+    )
+    assert cli.main([]) == 1
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("fully_shard/1d/fp32/mlp"))
+    assert " 5/4! " in row and " 4/4 " in row
+    assert "differs" in out  # the legend says what "!" means
+
+
+def test_results_the_engine_only_returns_are_reported_too(engine, capsys):
+    engine.calls_on_result = False
+    engine.results[2] = result("wrapper/3d/fp32/mlp", "failed", "params differ")
+    assert cli.main([]) == 1
+    out = capsys.readouterr().out
+    assert "[1/3] PASS fully_shard/1d/fp32/mlp" in out and "[3/3] FAIL wrapper/3d" in out
+    assert "2 passed, 1 failed, 0 skipped" in out
+
+
+def test_an_engine_crash_keeps_the_finished_results(engine, capsys, tmp_path):
+    engine.crash_after = 1
+    paths = ["--json", str(tmp_path / "r.json"), "--junit-xml", str(tmp_path / "r.xml")]
+    assert cli.main(paths) == 1
+    captured = capsys.readouterr()
+    assert "rank 2 lost its process group" in captured.err
+    assert "1 passed, 0 failed, 0 skipped" in captured.out
+    document = json.loads((tmp_path / "r.json").read_text())
+    assert "rank 2 lost its process group" in document["error"]
+    assert [s["name"] for s in document["scenarios"]] == ["fully_shard/1d/fp32/mlp"]
+    suite = ET.parse(tmp_path / "r.xml").getroot().find("testsuite")
+    assert suite.get("errors") == "1" and suite.find("testcase/error") is not None
+
+
+def test_progress_bar_on_a_terminal():
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    with cli.Progress(stream, 2, start=0.0) as progress:
+        progress.add("[1/2] PASS a 0.1 s")
+    text = stream.getvalue()
+    assert "[1/2] PASS a 0.1 s\n" in text
+    assert "] 0/2 " in text and "] 1/2 " in text
+    assert text.endswith("\r\x1b[K")  # the bar is gone once the run ends
+
+
+# --- report files -------------------------------------------------------------------------
+
+
+def test_json_report_carries_metadata_summary_and_scenarios(engine, tmp_path, capsys):
+    path = tmp_path / "out" / "parity.json"  # missing folders are created
+    assert cli.main(["--json", str(path), "--seed", "3", "--mesh", "hsdp", "--mesh", "3d"]) == 0
+    document = json.loads(path.read_text())
+    assert document["torch_version"] == torch.__version__
+    assert document["python_version"].count(".") == 2
+    assert document["reffsdp_version"]
+    meta = {k: document[k] for k in ("device", "backend", "world_size", "seed", "steps")}
+    assert meta == {"device": "cpu", "backend": "threaded", "world_size": 4, "seed": 3, "steps": 3}
+    assert document["device_name"]
+    assert document["started"].endswith("+00:00") and document["seconds"] >= 0
+    assert document["filters"]["mesh"] == ["hsdp", "3d"]
+    assert document["summary"] == {"total": 2, "passed": 1, "failed": 0, "skipped": 1}
+    assert document["scenarios"] == [engine.results[1].to_dict(), engine.results[2].to_dict()]
+
+
+def test_json_report_writes_nan_as_a_string(engine, tmp_path, capsys):
+    engine.results[0] = result("fully_shard/1d/fp32/mlp", "failed", "loss", max_loss_diff=math.nan)
+    assert cli.main(["--json", str(tmp_path / "r.json")]) == 1
+    text = (tmp_path / "r.json").read_text()
+    assert json.loads(text)["scenarios"][0]["max_loss_diff"] == "nan"
+    assert "NaN" not in text
+
+
+def test_junit_xml_has_one_testcase_per_scenario(engine, tmp_path, capsys):
+    engine.results[1] = result(
+        "fully_shard/hsdp/bf16/mlp", "failed", "\x1b[31mlosses differ\x1b[0m at step 1\ndetail"
+    )
+    path = tmp_path / "parity.xml"
+    assert cli.main(["--junit-xml", str(path)]) == 1
+    root = ET.parse(path).getroot()
+    assert root.tag == "testsuites"
+    (suite,) = root.findall("testsuite")
+    attrs = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped")}
+    assert attrs == {"tests": "3", "failures": "1", "errors": "0", "skipped": "1"}
+    assert float(suite.get("time")) >= 0 and suite.get("timestamp")
+    properties = {p.get("name"): p.get("value") for p in suite.iter("property")}
+    assert properties["torch_version"] == torch.__version__
+    assert properties["backend"] == "threaded"
+    cases = suite.findall("testcase")
+    assert [(c.get("classname"), c.get("name")) for c in cases] == [
+        ("parity.fully_shard.1d", "fully_shard/1d/fp32/mlp"),
+        ("parity.fully_shard.hsdp", "fully_shard/hsdp/bf16/mlp"),
+        ("parity.wrapper.3d", "wrapper/3d/fp32/mlp"),
+    ]
+    assert cases[0].find("failure") is None and cases[0].find("skipped") is None
+    assert float(cases[0].get("time")) == 1.25
+    failure = cases[1].find("failure")
+    assert failure.get("message") == "?[31mlosses differ?[0m at step 1"
+    assert failure.text.endswith("at step 1\ndetail")
+    assert cases[2].find("skipped").get("message") == "needs 8 ranks, the gloo world has 4"
+
+
+# --- --self-test --------------------------------------------------------------------------
+
+
+def test_self_test_prints_each_bug_with_the_check_that_caught_it(engine, capsys, tmp_path):
+    paths = ["--json", str(tmp_path / "s.json"), "--junit-xml", str(tmp_path / "s.xml")]
+    assert cli.main(["--self-test", "--api", "wrapper", *paths]) == 0
+    out = capsys.readouterr().out
+    assert "[1] CAUGHT fully_shard: wrong gradient divide factor  by grad 0.5" in out
+    assert "[2] CAUGHT wrapper: reshard skipped  by all_gather 2/4" in out
+    assert "2 of 2 planted bugs caught in" in out
+    assert engine.options[-1].api == ("wrapper",)
+    document = json.loads((tmp_path / "s.json").read_text())
+    assert document["summary"] == {"total": 2, "caught": 2, "missed": 0}
+    assert document["self_test"] == [bug.to_dict() for bug in engine.bugs]
+    suite = ET.parse(tmp_path / "s.xml").getroot().find("testsuite")
+    assert suite.get("tests") == "2" and suite.get("failures") == "0"
+
+
+def test_self_test_fails_when_one_bug_is_not_caught(engine, capsys, tmp_path):
+    engine.bugs[1] = SelfTestResult("reshard skipped", "wrapper", False, "", 0.5)
+    assert cli.main(["--self-test", "--junit-xml", str(tmp_path / "s.xml")]) == 1
+    out = capsys.readouterr().out
+    assert "[2] MISSED wrapper: reshard skipped" in out
+    assert "1 of 2 planted bugs caught" in out
+    suite = ET.parse(tmp_path / "s.xml").getroot().find("testsuite")
+    (case,) = [c for c in suite.findall("testcase") if c.find("failure") is not None]
+    assert (case.get("classname"), case.get("name")) == ("self_test.wrapper", "reshard skipped")
+
+
+def test_self_test_with_no_bugs_run_fails(engine, capsys):
+    engine.bugs = []
+    assert cli.main(["--self-test"]) == 1
+
+
+# --- report functions ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "measured, expected, text",
+    [(4.0, 4.0, "4/4"), (5.0, 4.0, "5/4!"), (0.5, 0.5, "0.5/0.5"), (None, 2.0, "0/2!")],
+)
+def test_format_count(measured, expected, text):
+    assert report.format_count(measured, expected) == text
+
+
+@pytest.mark.parametrize(
+    "value, text",
+    [(None, "-"), (0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (3 << 30, "3.0 GiB")],
+)
+def test_format_bytes(value, text):
+    assert report.format_bytes(value) == text
+
+
+def test_summary_line_counts_unknown_statuses_as_failures():
+    results = [result("a/1d/f/m"), result("b/1d/f/m", "error", "boom")]
+    assert report.summary_line(results, 2.04) == "1 passed, 1 failed, 0 skipped in 2.0 s"
