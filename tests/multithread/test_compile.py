@@ -79,7 +79,9 @@ def make_inputs(iteration: int, rank: int) -> torch.Tensor:
 
 def compile_blocks(model: Net, style: str) -> None:
     """Compile each block: ``"module"``, ``torch.compile(block)``; ``"in_place"``,
-    ``block.compile()``."""
+    ``block.compile()``; ``"whole_model"`` compiles none (the sharded root is compiled)."""
+    if style == "whole_model":
+        return
     for i, block in enumerate(model.blocks):
         if style == "module":
             model.blocks[i] = torch.compile(block)
@@ -140,6 +142,8 @@ class CompileChecks:
         ref_model, model = reference_and_model(Net(checkpointed))
         compile_blocks(model, style)
         sharded = self.shard(model, api, precision, reshard)
+        if style == "whole_model":
+            sharded = torch.compile(sharded)
         if precision != torch.float32:
             ref_model = LowPrecisionCompute(ref_model, precision)
             sharded = Passthrough(sharded)
@@ -161,8 +165,40 @@ class CompileChecks:
             train(num_steps=2)
         self.assertEqual(self.compile_counts(), first, "compiled again after the first step")
         self.assertGreater(first["graphs"], 0, "nothing was compiled")
-        self.assertEqual(first["graph_breaks"], 0)
+        if style != "whole_model":  # there the graph breaks at every FSDP hook
+            self.assertEqual(first["graph_breaks"], 0)
         return first
+
+    def compile_counts_of_torch(self, api: str, style: str) -> dict[str, int]:
+        """The counts after one step of the same model under torch's FSDP."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchWrapPolicy
+
+        self.fresh_compile_caches()
+        _, model = reference_and_model(Net())
+        compile_blocks(model, style)
+        if api == "fully_shard":
+            for block in model.blocks:
+                torch_fully_shard(block)
+            torch_fully_shard(model)
+        else:
+            model = TorchFSDP(
+                model,
+                auto_wrap_policy=TorchWrapPolicy({Block}),
+                use_orig_params=True,
+                device_id=torch.device("cpu"),
+            )
+        model(make_inputs(0, self.rank)).sum().backward()
+        return self.compile_counts()
+
+    def check_compiles_as_torch(self, api: str, style: str) -> None:
+        ours = self.check_parity(api, style, torch.float32, reshard=True)
+        theirs = self.compile_counts_of_torch(api, style)
+        self.assertEqual(ours["graphs"], theirs["graphs"])  # one per block and rank
+        # Torch's hooks take more frames (its disabling wrapper is itself a frame).
+        self.assertLessEqual(ours["frames"], theirs["frames"])
+        self.assertLessEqual(ours["graph_breaks"], theirs["graph_breaks"])
 
 
 class TestCompile(CompileChecks, FSDPTestMultiThread):
@@ -179,4 +215,33 @@ class TestCompile(CompileChecks, FSDPTestMultiThread):
                 "reshard": [True, False],
             },
             self.check_parity,
+        )
+
+    def test_compiles_no_more_than_torch(self):
+        # Torch's wrapper bypasses blocks compiled as torch.compile(block) before auto
+        # wrapping (the compiled module keeps calling the unwrapped block); reffsdp does not.
+        self.run_subtests(
+            {"api": ["fully_shard"], "style": ["module", "in_place"]},
+            self.check_compiles_as_torch,
+        )
+        self.check_compiles_as_torch("wrapper", "in_place")
+
+    def test_activation_checkpointing_inside_compiled_blocks(self):
+        self.run_subtests(
+            {"api": ["fully_shard", "wrapper"], "style": ["module", "in_place"]},
+            self.check_parity,
+            precision=torch.float32,
+            reshard=True,
+            checkpointed=True,
+        )
+
+    def test_whole_sharded_model_compiled(self):
+        # Dynamo stops at each FSDP hook and compiles the code between them: each block's
+        # forward still becomes one graph.
+        self.run_subtests(
+            {"api": ["fully_shard", "wrapper"]},
+            self.check_parity,
+            style="whole_model",
+            precision=torch.float32,
+            reshard=True,
         )
