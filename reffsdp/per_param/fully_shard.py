@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from ..core.compile_support import mark_fsdp_managed
 from ..core.mesh import MeshInfo
 from ..core.param_group import GroupSettings, ParamGroup
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
@@ -90,11 +91,7 @@ def fully_shard(
     FSDPState(modules, group, device, mp_policy, auto_reshard_root=reshard_after_forward is None)
     for m in modules:
         _swap_class(m)
-    # Read by torch's tools, not by reffsdp: torch.compile (``torch._dynamo``) treats the
-    # parameters of modules marked this way as changing between calls, as FSDP's do.
-    for m in managed:
-        m._is_fsdp_managed_module = True  # type: ignore[attr-defined]
-        m._fsdp_use_orig_params = True  # type: ignore[attr-defined]
+    mark_fsdp_managed(managed)  # also read by _managed_modules, for nesting order
     return module
 
 

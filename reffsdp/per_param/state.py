@@ -51,6 +51,7 @@ from ..core.autograd_hooks import (
     register_post_backward,
     register_pre_backward,
 )
+from ..core.compile_support import install_eager_methods, run_eagerly
 from ..core.param_group import ParamGroup, end_backward
 from ..core.runtime import CommContext
 from ..core.states import TrainingState
@@ -106,6 +107,7 @@ class FSDPState:
         # Listed modules that have yet to finish this forward (see ``_pre_forward``).
         self._modules_in_forward: set[nn.Module] = set()
         self._name = f"fully_shard module ({', '.join(type(m).__name__ for m in modules)})"
+        install_eager_methods(FSDPState)
         for module in modules:
             module.__dict__[_STATE_KEY] = self
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -179,6 +181,7 @@ class FSDPState:
 
     # -- forward hooks ------------------------------------------------------------------
 
+    @run_eagerly  # see [Note: FSDP work runs outside compiled graphs]
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if in_backward():
             # Activation-checkpoint recompute: make sure parameters are there, nothing more.
@@ -207,6 +210,7 @@ class FSDPState:
                 target.group.unshard()
         return args, kwargs
 
+    @run_eagerly  # see [Note: FSDP work runs outside compiled graphs]
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if in_backward():
             return self._cast_output(output)
@@ -275,6 +279,7 @@ class FSDPState:
 
     # -- backward hooks -----------------------------------------------------------------
 
+    @run_eagerly  # see [Note: FSDP work runs outside compiled graphs]
     def _pre_backward(self, grad: torch.Tensor) -> None:
         self.training_state = TrainingState.PRE_BACKWARD
         if not self.ctx.final_callback_queued:
@@ -297,6 +302,7 @@ class FSDPState:
         index = self._post_forward_indices.pop()
         return [self.ctx.post_forward_order[index - 1]] if index > 0 else []
 
+    @run_eagerly  # see [Note: FSDP work runs outside compiled graphs]
     def _final_callback(self) -> None:
         """Runs once per backward, on the root: see [Note: hook order in one iteration]."""
         ctx = self.ctx

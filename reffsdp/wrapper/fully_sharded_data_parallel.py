@@ -42,6 +42,13 @@ from ..api import (
 )
 from ..core.autograd_hooks import in_backward, queue_final_callback, register_pre_backward
 from ..core.collectives import CustomReduction
+from ..core.compile_support import (
+    call_through_wrappers,
+    install_eager_methods,
+    mark_fsdp_managed,
+    run_eagerly,
+    run_frame_eagerly,
+)
 from ..core.param_group import GroupSettings, ParamGroup, end_backward
 from ..core.runtime import CommContext
 from ..core.states import TrainingState
@@ -107,6 +114,10 @@ class FullyShardedDataParallel(nn.Module):
         ignored_modules_set, ignored_params = setup.ignored_sets(
             module, ignored_modules, ignored_states, FullyShardedDataParallel
         )
+        mark_fsdp_managed(
+            (m for m in module.modules() if m not in ignored_modules_set), use_orig_params
+        )
+        install_eager_methods(FullyShardedDataParallel)
         if auto_wrap_policy is not None:
             from ..wrap import auto_wrap_children
 
@@ -136,6 +147,7 @@ class FullyShardedDataParallel(nn.Module):
                 ignored_modules_set,
                 ignored_params,
             )
+            call_through_wrappers(module, FullyShardedDataParallel)
         self.sharding_strategy = setup.warn_no_shard(strategy, mesh_info.shard_size)
         self.cpu_offload = cpu_offload or CPUOffload()
         self.backward_prefetch = backward_prefetch
@@ -355,10 +367,25 @@ class FullyShardedDataParallel(nn.Module):
 
     # -- forward ------------------------------------------------------------------------
 
+    @run_frame_eagerly  # see [Note: FSDP work runs outside compiled graphs]
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if in_backward():  # activation-checkpoint recompute: parameters, nothing more
-            self._unshard_now()
+        # FSDP's steps run eagerly; the wrapped module between them may be compiled.
+        recompute, args, kwargs = self._pre_forward(args, kwargs)
+        if recompute:
             return self._fsdp_wrapped_module(*args, **kwargs)
+        try:
+            output = self._fsdp_wrapped_module(*args, **kwargs)
+        finally:
+            self.training_state = TrainingState.IDLE
+        return self._post_forward(output)
+
+    @run_eagerly
+    def _pre_forward(self, args: Any, kwargs: Any) -> tuple[bool, Any, Any]:
+        """Returns ``(recompute, args, kwargs)``: ``recompute`` in activation-checkpoint
+        recompute (parameters unsharded, nothing more)."""
+        if in_backward():
+            self._unshard_now()
+            return True, args, kwargs
         self._lazy_init()
         ctx = self._root_ctx
         if ctx.iter_forward_root is None:
@@ -373,10 +400,11 @@ class FullyShardedDataParallel(nn.Module):
                 ctx.forward_order.append(self)
             if self.forward_prefetch:
                 self._prefetch(self._next_in_forward())
-        try:
-            output = self._fsdp_wrapped_module(*args, **kwargs)
-        finally:
-            self.training_state = TrainingState.IDLE
+        return False, args, kwargs
+
+    @run_eagerly
+    def _post_forward(self, output: Any) -> Any:
+        ctx = self._root_ctx
         if self._group is not None:
             backward_follows = torch.is_grad_enabled()
             self._group.post_forward(backward_follows=backward_follows)
@@ -445,6 +473,7 @@ class FullyShardedDataParallel(nn.Module):
 
     # -- backward -----------------------------------------------------------------------
 
+    @run_eagerly
     def _pre_backward(self, grad: torch.Tensor) -> None:
         ctx = self._root_ctx
         if not ctx.final_callback_queued:
@@ -467,6 +496,7 @@ class FullyShardedDataParallel(nn.Module):
             self._prefetch(self._previous_in_forward())
         group.post_backward()
 
+    @run_eagerly
     def _final_callback(self) -> None:
         ctx = self._root_ctx
         try:
