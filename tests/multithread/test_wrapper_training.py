@@ -359,6 +359,18 @@ class TestWrapperFeatures(FSDPTestMultiThread):
         with self.assertRaisesRegex(ValueError, "requires_grad"):
             wrap_blocks(model, {MLP}, use_orig_params=False)
 
+    def test_repr_matches_torch_before_and_after_a_step(self):
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+        for use_orig_params in (False, True):
+            ours = FullyShardedDataParallel(MLPBlocks(4), use_orig_params=use_orig_params)
+            theirs = TorchFSDP(
+                MLPBlocks(4), use_orig_params=use_orig_params, device_id=torch.device("cpu")
+            )
+            self.assertEqual(repr(ours), repr(theirs))
+            ours(torch.randn(2, 4)).sum().backward()
+            self.assertEqual(repr(ours), repr(theirs))
+
     def test_tied_weights(self):
         self.run_subtests(
             {"strategy": [S.FULL_SHARD, S.SHARD_GRAD_OP], "use_orig_params": [False, True]},
