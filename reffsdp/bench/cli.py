@@ -37,8 +37,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default=None, help="default: cuda for nccl, else cpu"
     )
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
     p.add_argument("--offload", action="store_true", help="CPU-offload the sharded parameters")
     p.add_argument(
         "--mixed-precision",

@@ -68,6 +68,8 @@ def skip_reason(name: str, options: Options) -> str | None:
     """Why ``name`` cannot run with ``options``, decided before building anything."""
     if name == "torch_fsdp" and options.device.type == "cpu" and options.offload:
         return "torch's FullyShardedDataParallel on CPU runs only without CPU offload"
+    if name == "torch_fully_shard" and options.offload and not torch.cuda.is_available():
+        return "torch's fully_shard CPU offload pins host memory, which needs an accelerator"
     if name == "torch_fsdp" and options.backend == "threaded":
         return "torch's FullyShardedDataParallel is not run over the threaded process group"
     if name == "ddp" and options.backend == "threaded":
