@@ -151,8 +151,8 @@ def format_table(summary: dict[str, Any], memory_note: str) -> str:
         "median / torch fully_shard's median;"
     )
     lines.append(
-        "kept: bytes per rank held between steps (freed when the model and optimizer are "
-        "deleted); peak+: median per-step peak above the bytes live at step start;"
+        "kept: bytes per rank held between steps (after build and warm-up, less before the "
+        "build); peak+: median per-step peak above the bytes live at step start;"
     )
     lines.append(
         "sent: bytes one rank sends per step (ring algorithms); min: analytic minimum; "
