@@ -17,6 +17,7 @@ interleaved rounds, then count their bytes and the memory each keeps.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import time
@@ -81,6 +82,11 @@ def run_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, An
     ``cli.run_config``) so it crosses process boundaries.
     """
     options: Options = config["options"]
+    if options.device.type == "cuda" and options.device.index is None:
+        # This rank's GPU, by index: DDP and torch's wrapper want it explicit.
+        options = dataclasses.replace(
+            options, device=torch.device("cuda", torch.cuda.current_device())
+        )
     device = options.device
     probe = MemoryProbe(device, None if config["threads_share_heap"] else HeapCounter.load())
     base = options.workload.build(device)
