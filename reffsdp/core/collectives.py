@@ -50,6 +50,7 @@ import torch.distributed as dist
 from . import comms
 from .member import GroupMember
 from .mesh import MeshInfo
+from .profiling import in_phase, phase
 from .sharding import pre_post_divide_factors
 from .streams import run_on_stream, wait_event_on_current_stream
 
@@ -66,6 +67,7 @@ class AllGatherResult:
     work: dist.Work | None = None
     event: Any = None  # recorded on the all-gather stream after the collective (CUDA)
 
+    @in_phase("all-gather")
     def wait(self) -> None:
         """Make the current stream (and, for CPU backends, the caller) wait for the data."""
         if self.work is not None:
@@ -93,7 +95,8 @@ def foreach_all_gather(
     comm = comm or comms.DefaultAllGather()
     output = comm.allocate((total * world_size,), dtype=inputs[0].dtype, device=inputs[0].device)
     my_slice = output.narrow(0, total * rank, total)
-    torch._foreach_copy_(list(my_slice.split(numels)), inputs)
+    with phase("copy-in"):
+        torch._foreach_copy_(list(my_slice.split(numels)), inputs)
     work = None
     if world_size > 1:
         work = comm(output, my_slice, group, async_op=async_op)
@@ -111,7 +114,8 @@ def foreach_all_gather_copy_out(result: AllGatherResult, members: list[GroupMemb
     if result.output.dtype == torch.uint8:
         targets = [t.view(torch.uint8) for t in targets]
     rows = result.output.view(result.world_size, -1)
-    torch.split_with_sizes_copy(rows, result.input_numels, dim=1, out=targets)
+    with phase("copy-out"):
+        torch.split_with_sizes_copy(rows, result.input_numels, dim=1, out=targets)
     for member in members:
         member.finish_unshard()
 
@@ -229,6 +233,7 @@ class PendingReduce:
     completed: bool = field(default=False)
     host_copy_event: Any = None  # CPU offload: gradients still landing on the host
 
+    @in_phase("reduce-scatter")
     def complete(self) -> None:
         if self.completed:
             return
@@ -272,6 +277,7 @@ def _hand_out_grads(members: list[GroupMember], output: torch.Tensor) -> bool:
     return in_flight
 
 
+@in_phase("reduce-scatter")
 def foreach_reduce(
     members: list[GroupMember], grads: list[torch.Tensor], spec: ReduceSpec
 ) -> PendingReduce:

@@ -245,19 +245,49 @@ def _imported_modules(tree: ast.AST) -> list[str]:
     return names
 
 
+# The benchmarks measure reffsdp against torch's FSDP, so they may import it (lazily, inside
+# the functions that build torch's implementations); torch's internal testing stays off-limits.
+BENCH = ROOT / "reffsdp" / "bench"
+
+
 def _package_sources() -> list[pathlib.Path]:
     return sorted([*(ROOT / "reffsdp").rglob("*.py"), *(ROOT / "testing").rglob("*.py")])
+
+
+def _forbidden_for(path: pathlib.Path) -> tuple[str, ...]:
+    if path.is_relative_to(BENCH):
+        return ("torch.testing._internal",)
+    return FORBIDDEN
 
 
 def test_sources_never_import_torch_fsdp_or_torch_internal_testing():
     sources = _package_sources()
     assert len(sources) > 10
+    assert any(path.is_relative_to(BENCH) for path in sources)
     offenders = []
     for path in sources:
         for name in _imported_modules(ast.parse(path.read_text(), filename=str(path))):
-            if name.startswith(FORBIDDEN):
+            if name.startswith(_forbidden_for(path)):
                 offenders.append(f"{path.relative_to(ROOT)}: {name}")
     assert offenders == []
+
+
+def test_only_the_benchmarks_are_exempt():
+    assert _forbidden_for(BENCH / "impls.py") == ("torch.testing._internal",)
+    for path in (ROOT / "reffsdp" / "core" / "comms.py", ROOT / "reffsdp" / "benchmarks.py"):
+        assert _forbidden_for(path) == FORBIDDEN
+
+
+def test_benchmarks_import_torch_fsdp_only_inside_functions():
+    """Importing ``reffsdp.bench`` must not load torch's FSDP: only function bodies import it."""
+    for path in BENCH.rglob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        top_level = ast.Module(
+            body=[node for node in tree.body if not isinstance(node, ast.FunctionDef)],
+            type_ignores=[],
+        )
+        names = _imported_modules(top_level)
+        assert not [n for n in names if n.startswith(FORBIDDEN)], path
 
 
 def test_scanner_sees_forbidden_imports():
@@ -274,11 +304,12 @@ def test_scanner_sees_forbidden_imports():
 
 
 def test_importing_reffsdp_loads_no_torch_fsdp_and_warns_nothing():
-    """In a fresh interpreter: importing reffsdp and its testing helpers neither imports
-    ``torch.distributed.fsdp`` nor emits a FutureWarning/DeprecationWarning."""
+    """In a fresh interpreter: importing reffsdp, its testing helpers and its benchmarks
+    neither imports ``torch.distributed.fsdp`` nor emits a FutureWarning/DeprecationWarning."""
     modules = sorted(
-        f"reffsdp.testing.{path.stem}"
-        for path in (ROOT / "testing").glob("*.py")
+        f"reffsdp.{package}.{path.stem}"
+        for package, folder in (("testing", ROOT / "testing"), ("bench", BENCH))
+        for path in folder.glob("*.py")
         if path.stem not in ("__init__", "__main__")
     )
     script = textwrap.dedent(
@@ -287,7 +318,7 @@ def test_importing_reffsdp_loads_no_torch_fsdp_and_warns_nothing():
         import torch, torch.distributed
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            import reffsdp, reffsdp.testing
+            import reffsdp, reffsdp.testing, reffsdp.bench
             for name in {modules!r}:
                 __import__(name)
         bad = [f"{{w.category.__name__}}: {{w.message}}" for w in caught

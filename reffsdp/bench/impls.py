@@ -1,0 +1,179 @@
+"""The implementations the benchmark compares, each one way to train the same model.
+
+torch's FSDP is imported inside the builders only, as the reference being measured against:
+``reffsdp.bench`` is the one part of reffsdp allowed to import it, and importing the
+package still loads none of it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .models import Workload, blocks
+
+# Display order; the ratio column divides by TORCH_FULLY_SHARD.
+IMPLS = (
+    "reffsdp_fully_shard",
+    "torch_fully_shard",
+    "reffsdp_fsdp",
+    "torch_fsdp",
+    "ddp",
+    "local",
+)
+TORCH_FULLY_SHARD = "torch_fully_shard"
+LABELS = {
+    "reffsdp_fully_shard": "reffsdp fully_shard",
+    "torch_fully_shard": "torch fully_shard",
+    "reffsdp_fsdp": "reffsdp FSDP",
+    "torch_fsdp": "torch FSDP",
+    "ddp": "DDP",
+    "local": "local (no comm)",
+}
+# Strategy per implementation, for the analytic bytes: "shard" (FULL_SHARD), "allreduce", None.
+STRATEGY = {
+    "reffsdp_fully_shard": "shard",
+    "torch_fully_shard": "shard",
+    "reffsdp_fsdp": "shard",
+    "torch_fsdp": "shard",
+    "ddp": "allreduce",
+    "local": None,
+}
+
+
+class Skip(Exception):
+    """This implementation cannot run with these options; the message says why."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """What every builder needs to know."""
+
+    workload: Workload
+    device: torch.device
+    backend: str
+    offload: bool
+    mixed_precision: str | None  # "bf16", "fp16" or None
+
+
+def _dtype(options: Options) -> torch.dtype | None:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options.mixed_precision or "")
+
+
+def skip_reason(name: str, options: Options) -> str | None:
+    """Why ``name`` cannot run with ``options``, decided before building anything."""
+    if name == "torch_fsdp" and options.device.type == "cpu" and options.offload:
+        return "torch's FullyShardedDataParallel on CPU runs only without CPU offload"
+    if name == "torch_fully_shard" and options.offload and not torch.cuda.is_available():
+        return "torch's fully_shard CPU offload pins host memory, which needs an accelerator"
+    if name == "torch_fsdp" and options.backend == "threaded":
+        return "torch's FullyShardedDataParallel is not run over the threaded process group"
+    if name == "ddp" and options.backend == "threaded":
+        return "DDP's C++ reducer cannot drive the Python threaded process group"
+    return None
+
+
+def notes(name: str, options: Options) -> list[str]:
+    """Options an implementation ignores (it still runs, so the reader must know)."""
+    found = []
+    if name in ("ddp", "local") and options.mixed_precision:
+        found.append("fp32 (no mixed precision)")
+    if name in ("ddp", "local") and options.offload:
+        found.append("no offload")
+    return found
+
+
+def _fully_shard_kwargs(module, options: Options) -> dict:
+    kwargs = {}
+    dtype = _dtype(options)
+    if dtype is not None:
+        kwargs["mp_policy"] = module.MixedPrecisionPolicy(
+            param_dtype=dtype, reduce_dtype=torch.float32
+        )
+    if options.offload:
+        kwargs["offload_policy"] = module.CPUOffloadPolicy()
+    return kwargs
+
+
+def _fully_shard(module, model: nn.Module, options: Options) -> nn.Module:
+    kwargs = _fully_shard_kwargs(module, options)
+    for block in blocks(model):
+        module.fully_shard(block, **kwargs)
+    module.fully_shard(model, **kwargs)
+    return model
+
+
+def _wrapper(module, wrap_module, model: nn.Module, options: Options, device_id) -> nn.Module:
+    kwargs = {}
+    dtype = _dtype(options)
+    if dtype is not None:
+        kwargs["mixed_precision"] = module.MixedPrecision(
+            param_dtype=dtype, reduce_dtype=torch.float32
+        )
+    if options.offload:
+        kwargs["cpu_offload"] = module.CPUOffload(offload_params=True)
+    if device_id is not None:
+        kwargs["device_id"] = device_id
+    policy = wrap_module.ModuleWrapPolicy({options.workload.block_class})
+    return module.FullyShardedDataParallel(model, auto_wrap_policy=policy, **kwargs)
+
+
+def build_reffsdp_fully_shard(model: nn.Module, options: Options) -> nn.Module:
+    import reffsdp
+
+    return _fully_shard(reffsdp, model, options)
+
+
+def build_torch_fully_shard(model: nn.Module, options: Options) -> nn.Module:
+    import torch.distributed.fsdp as torch_fsdp
+
+    return _fully_shard(torch_fsdp, model, options)
+
+
+def build_reffsdp_fsdp(model: nn.Module, options: Options) -> nn.Module:
+    import reffsdp
+    import reffsdp.wrap
+
+    device_id = options.device if options.device.type == "cuda" else None
+    return _wrapper(reffsdp, reffsdp.wrap, model, options, device_id)
+
+
+def build_torch_fsdp(model: nn.Module, options: Options) -> nn.Module:
+    import torch.distributed.fsdp as torch_fsdp
+    import torch.distributed.fsdp.wrap as torch_wrap
+
+    # On CPU torch's wrapper must be told the device explicitly.
+    return _wrapper(torch_fsdp, torch_wrap, model, options, options.device)
+
+
+def build_ddp(model: nn.Module, options: Options) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [options.device] if options.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def build_local(model: nn.Module, options: Options) -> nn.Module:
+    return model
+
+
+BUILDERS: dict[str, Callable[[nn.Module, Options], nn.Module]] = {
+    "reffsdp_fully_shard": build_reffsdp_fully_shard,
+    "torch_fully_shard": build_torch_fully_shard,
+    "reffsdp_fsdp": build_reffsdp_fsdp,
+    "torch_fsdp": build_torch_fsdp,
+    "ddp": build_ddp,
+    "local": build_local,
+}
+
+
+def build(name: str, base: nn.Module, options: Options) -> nn.Module:
+    """A fresh copy of ``base`` trained the ``name`` way (raises :class:`Skip`)."""
+    reason = skip_reason(name, options)
+    if reason is not None:
+        raise Skip(reason)
+    return BUILDERS[name](copy.deepcopy(base), options)

@@ -1,0 +1,163 @@
+"""Turn the ranks' raw measurements into summary numbers, a table and a JSON document.
+
+[Note: bytes on the wire]
+The collective counter reports each collective's whole buffer on one rank (the unsharded
+side for all-gather and reduce-scatter). A ring algorithm sends ``(W - 1) / W`` of that
+buffer per rank for an all-gather or reduce-scatter, ``2 (W - 1) / W`` for an all-reduce,
+which is what "sent per rank" shows. The analytic minimum for Ψ parameters, with the
+root's Ψ_root staying unsharded between forward and backward (as both FSDPs do):
+
+* FULL_SHARD: ``(W - 1) / W * (Ψ b_p + (Ψ - Ψ_root) b_p + Ψ b_r)``: all-gather in
+  forward, again in backward for all but the root, reduce-scatter of the gradients; b_p and
+  b_r are the bytes per element of the parameter and reduce dtypes;
+* DDP: ``2 (W - 1) / W * Ψ * 4`` (one fp32 all-reduce of the gradients);
+* local: 0.
+
+Padding (each parameter's dim 0 rounded up to a multiple of W) is why a sharded
+implementation sends slightly more than the minimum.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from .impls import LABELS, STRATEGY, TORCH_FULLY_SHARD
+
+MB = 1e6
+_RING_FACTOR = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1}
+
+
+def quartiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    if len(ordered) >= 2:
+        q1, median, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1 = median = q3 = ordered[0]
+    return {"median": median, "q1": q1, "q3": q3, "min": ordered[0], "max": ordered[-1]}
+
+
+def sent_per_rank(comm_bytes: dict[str, int], world_size: int) -> float:
+    """Bytes one rank sends for these collectives with ring algorithms (see the note)."""
+    share = (world_size - 1) / world_size
+    return sum(_RING_FACTOR.get(kind, 0) * share * n for kind, n in comm_bytes.items())
+
+
+def analytic_min_bytes(
+    strategy: str | None,
+    params: int,
+    root_params: int,
+    world_size: int,
+    *,
+    param_bytes: int = 4,
+    reduce_bytes: int = 4,
+) -> float:
+    """The least one rank must send per step (see the module note)."""
+    share = (world_size - 1) / world_size
+    if strategy == "shard":
+        return share * (
+            params * param_bytes + (params - root_params) * param_bytes + params * reduce_bytes
+        )
+    if strategy == "allreduce":
+        return 2 * share * params * 4
+    return 0.0
+
+
+def summarize(ranks: list[dict], config: dict[str, Any]) -> dict[str, Any]:
+    """Combine every rank's results into one summary per implementation."""
+    world_size = len(ranks)
+    meta = ranks[0]["_meta"]
+    param_bytes = 2 if config["mixed_precision"] else 4
+    summary: dict[str, Any] = {}
+    for name in config["impls"]:
+        first = ranks[0][name]
+        entry: dict[str, Any] = {"label": LABELS[name], "notes": first.get("notes", [])}
+        summary[name] = entry
+        if "skipped" in first:
+            entry["skipped"] = first["skipped"]
+            continue
+        # A step is as slow as its slowest rank.
+        timed = range(len(first["step_s"]))
+        step_s = [max(rank[name]["step_s"][i] for rank in ranks) for i in timed]
+        entry["step_ms"] = {k: v * 1e3 for k, v in quartiles(step_s).items()}
+        entry["steps_timed"] = len(step_s)
+        if meta["memory_measured"]:
+            peaks = [
+                max(rank[name]["peak_above_start"][i] for rank in ranks) for i in range(len(step_s))
+            ]
+            entry["peak_above_step_start_bytes"] = int(statistics.median(peaks))
+            entry["peak_above_step_start_max_bytes"] = max(peaks)
+            entry["kept_between_steps_bytes"] = max(rank[name]["kept"] for rank in ranks)
+            if "reserved_peak" in first:
+                entry["reserved_peak_bytes"] = max(rank[name]["reserved_peak"] for rank in ranks)
+        comm_bytes = first["comm_bytes"]
+        strategy = None if world_size == 1 else STRATEGY[name]
+        if name in ("ddp", "local"):
+            impl_param_bytes = 4
+        else:
+            impl_param_bytes = param_bytes
+        entry["comm"] = {
+            "counts": first["comm_counts"],
+            "bytes": comm_bytes,
+            "collectives_per_step": sum(first["comm_counts"].values()),
+            "sent_bytes_per_rank": sent_per_rank(comm_bytes, world_size),
+            "analytic_min_bytes": analytic_min_bytes(
+                strategy,
+                meta["params"],
+                meta["root_params"],
+                world_size,
+                param_bytes=impl_param_bytes,
+            ),
+        }
+    reference = summary.get(TORCH_FULLY_SHARD, {}).get("step_ms", {}).get("median")
+    for entry in summary.values():
+        if reference and "step_ms" in entry:
+            entry["ratio_to_torch_fully_shard"] = entry["step_ms"]["median"] / reference
+    return summary
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value / MB:.1f}"
+
+
+def format_table(summary: dict[str, Any], memory_note: str) -> str:
+    """The per-implementation table printed after a run."""
+    header = (
+        f"{'implementation':<20} {'median ms':>9} {'IQR ms':>15} {'vs torch fs':>11} "
+        f"{'kept MB':>8} {'peak+ MB':>8} {'sent MB':>8} {'min MB':>8} {'colls':>5}"
+    )
+    lines = [header, "-" * len(header)]
+    for entry in summary.values():
+        if "skipped" in entry:
+            lines.append(f"{entry['label']:<20} skipped: {entry['skipped']}")
+            continue
+        ms = entry["step_ms"]
+        ratio = entry.get("ratio_to_torch_fully_shard")
+        comm = entry["comm"]
+        line = (
+            f"{entry['label']:<20} {ms['median']:9.1f} "
+            f"{ms['q1']:7.1f}-{ms['q3']:<7.1f} "
+            f"{(f'{ratio:.3f}' if ratio else '-'):>11} "
+            f"{_mb(entry.get('kept_between_steps_bytes')):>8} "
+            f"{_mb(entry.get('peak_above_step_start_bytes')):>8} "
+            f"{_mb(comm['sent_bytes_per_rank']):>8} {_mb(comm['analytic_min_bytes']):>8} "
+            f"{comm['collectives_per_step']:>5}"
+        )
+        if entry["notes"]:
+            line += "  (" + ", ".join(entry["notes"]) + ")"
+        lines.append(line)
+    lines.append(
+        "median/IQR: step time over all timed steps (slowest rank per step); vs torch fs: "
+        "median / torch fully_shard's median;"
+    )
+    lines.append(
+        "kept: bytes per rank held between steps (after build and warm-up, less before the "
+        "build); peak+: median per-step peak above the bytes live at step start;"
+    )
+    lines.append(
+        "sent: bytes one rank sends per step (ring algorithms); min: analytic minimum; "
+        "colls: collectives per step."
+    )
+    if memory_note:
+        lines.append(f"memory: {memory_note}")
+    return "\n".join(lines)

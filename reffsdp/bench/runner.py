@@ -1,0 +1,179 @@
+"""One rank's part of a benchmark run: build every implementation, time them in
+interleaved rounds, then count their bytes and the memory each keeps.
+
+[Note: what is measured, and when]
+1. Prime the process (see :func:`prime`). Build each implementation, in turn, from a deep
+   copy of the same model and run its two warm-up steps (not recorded; optimizer state
+   exists afterwards). "Kept between steps" is what the process holds after that less what
+   it held before the build: parameters, shards, optimizer state, and buffers the
+   implementation caches between steps.
+2. ``rounds`` rounds; each runs every implementation for ``steps`` steps, starting with a
+   different one every round, after a barrier. Per step: wall time (CUDA synchronized) and
+   the memory peak above the bytes live at the step's start (the peak is reset there).
+3. One more step per implementation under a collective counter (its dispatch-mode overhead
+   never reaches a timed step): collectives and their bytes per step.
+4. With a profile directory: one more round under ``torch.profiler``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from reffsdp.core.profiling import phase
+from reffsdp.testing.comm_counter import CommCounter
+
+from .impls import Options, Skip, build, notes
+from .memory import HeapCounter, MemoryProbe
+from .models import param_counts
+
+WARMUP_STEPS = 2
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_step(
+    model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tensor, loss_fn: Callable
+) -> Callable[[], None]:
+    def step() -> None:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        with phase("optimizer"):
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+
+    return step
+
+
+def prime(names: list[str], options: Options, base: nn.Module) -> None:
+    """Build each implementation of ``base`` and run one step, then drop it.
+
+    The first implementation to run in a process pays for one-time state (lazily built
+    kernels, dispatch and sharding caches keyed by shapes: 10-20 MB on CPU); priming with
+    the same model keeps that out of every implementation's "kept between steps".
+    """
+    batch = options.workload.batch(0, options.device)
+    for name in names:
+        try:
+            model = build(name, base, options)
+        except Skip:
+            continue
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        make_step(model, optim, batch, options.workload.loss_fn())()
+        del model, optim
+    gc.collect()
+
+
+def run_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
+    """Benchmark every implementation in ``config["impls"]`` on this rank; the results.
+
+    The default process group is already initialized. ``config`` is plain data (see
+    ``cli.run_config``) so it crosses process boundaries.
+    """
+    options: Options = config["options"]
+    if options.device.type == "cuda" and options.device.index is None:
+        # This rank's GPU, by index: DDP and torch's wrapper want it explicit.
+        options = dataclasses.replace(
+            options, device=torch.device("cuda", torch.cuda.current_device())
+        )
+    device = options.device
+    probe = MemoryProbe(device, None if config["threads_share_heap"] else HeapCounter.load())
+    base = options.workload.build(device)
+    total, root, largest_block = param_counts(base)
+    batch = options.workload.batch(rank, device)
+    loss_fn = options.workload.loss_fn()
+    prime(config["impls"], options, base)
+
+    results: dict[str, dict[str, Any]] = {}
+    steps: dict[str, Callable[[], None]] = {}
+    for name in config["impls"]:
+        entry: dict[str, Any] = {"notes": notes(name, options)}
+        results[name] = entry
+        gc.collect()
+        before = probe.current()
+        try:
+            model = build(name, base, options)
+        except Skip as skip:
+            entry["skipped"] = str(skip)
+            continue
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        steps[name] = make_step(model, optim, batch, loss_fn)
+        del model, optim  # the step holds them
+        for _ in range(WARMUP_STEPS):
+            steps[name]()
+        _sync(device)
+        dist.barrier()
+        gc.collect()
+        entry["kept"] = probe.current() - before
+        entry.update(step_s=[], peak_above_start=[], live_at_start=[])
+    del base
+
+    names = list(steps)
+    for round_index in range(config["rounds"]):
+        shift = round_index % max(1, len(names))
+        for name in names[shift:] + names[:shift]:
+            entry = results[name]
+            dist.barrier()
+            for _ in range(config["steps"]):
+                start_bytes = probe.start_step()
+                start = time.perf_counter()
+                steps[name]()
+                _sync(device)
+                entry["step_s"].append(time.perf_counter() - start)
+                entry["peak_above_start"].append(probe.peak() - start_bytes)
+                entry["live_at_start"].append(start_bytes)
+                reserved = probe.reserved_peak()
+                if reserved is not None:
+                    entry["reserved_peak"] = max(entry.get("reserved_peak", 0), reserved)
+
+    for name in names:
+        dist.barrier()
+        with CommCounter() as counter:
+            steps[name]()
+        _sync(device)
+        results[name]["comm_counts"] = {k.value: v for k, v in counter.get_comm_counts().items()}
+        results[name]["comm_bytes"] = {k.value: v for k, v in counter.get_comm_bytes().items()}
+
+    if config.get("profile_dir"):
+        _profile(rank, names, steps, config, device)
+
+    results["_meta"] = {
+        "memory_measured": probe.available,
+        "params": total,
+        "root_params": root,
+        "largest_block_params": largest_block,
+    }
+    return results
+
+
+def _profile(
+    rank: int,
+    names: list[str],
+    steps: dict[str, Callable[[], None]],
+    config: dict[str, Any],
+    device: torch.device,
+) -> None:
+    """One more round under ``torch.profiler``; a Chrome trace per rank in the directory."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    os.makedirs(config["profile_dir"], exist_ok=True)
+    with torch.profiler.profile(activities=activities) as profiler:
+        for name in names:
+            dist.barrier()
+            for index in range(config["steps"]):
+                with torch.profiler.record_function(f"{name} step {index}"):
+                    steps[name]()
+            _sync(device)
+    profiler.export_chrome_trace(os.path.join(config["profile_dir"], f"rank{rank}.json"))
