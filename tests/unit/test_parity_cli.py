@@ -1,14 +1,13 @@
 """The parity suite's command line (``python -m reffsdp.testing``) and its reports.
 
-A stand-in engine, installed over ``reffsdp.testing.parity_suite``'s contract names for the
-length of a test, returns results chosen by each test, so these tests are fast and check only
-what the command line does with them: arguments, live lines, table, JSON, JUnit XML, exit
-status.
+A stand-in engine, installed over ``reffsdp.testing.parity_suite``'s functions for the
+length of a test, returns results (of the engine's own types) chosen by each test, so these
+tests are fast and check only what the command line does with them: arguments, live lines,
+table, JSON, JUnit XML, exit status.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import io
 import json
@@ -29,68 +28,12 @@ ROOT = Path(__file__).resolve().parents[2]
 COUNTS = {"all_gather": 4.0, "reduce_scatter": 4.0, "all_reduce": 0.0}
 
 
-# --- the stand-in engine (the contract's names and fields) --------------------------------
+# --- the stand-in engine: the real result types, results chosen by each test -------------
 
-
-@dataclasses.dataclass(frozen=True)
-class SuiteOptions:
-    backend: str = "threaded"
-    device: str = "cpu"
-    world_size: int = 4
-    api: tuple[str, ...] = ()
-    mesh: tuple[str, ...] = ()
-    only: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    steps: int = 3
-    seed: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class ScenarioInfo:
-    name: str
-    api: str
-    mesh: str
-    feature: str
-    model: str
-    world_size: int
-
-
-@dataclasses.dataclass
-class ScenarioResult:
-    name: str
-    api: str
-    mesh: str
-    feature: str
-    model: str
-    status: str
-    message: str
-    world_size: int
-    steps: int
-    max_loss_diff: float | None
-    max_grad_diff: float | None
-    max_param_diff: float | None
-    atol: float | None
-    rtol: float | None
-    counts: dict[str, float]
-    expected_counts: dict[str, float]
-    bytes_per_step: int | None
-    min_bytes_per_step: int | None
-    seconds: float
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class SelfTestResult:
-    bug: str
-    api: str
-    caught: bool
-    caught_by: str
-    seconds: float
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+SuiteOptions = parity_suite.SuiteOptions
+ScenarioInfo = parity_suite.ScenarioInfo
+ScenarioResult = parity_suite.ScenarioResult
+SelfTestResult = parity_suite.SelfTestResult
 
 
 def result(name: str, status: str = "passed", message: str = "", **fields) -> ScenarioResult:
@@ -171,7 +114,6 @@ class StandInEngine:
 def engine(monkeypatch):
     """The stand-in, installed where the command line looks for the engine."""
     stand_in = StandInEngine()
-    monkeypatch.setattr(parity_suite, "SuiteOptions", SuiteOptions, raising=False)
     for name in ("list_scenarios", "run_suite", "run_self_test"):
         monkeypatch.setattr(parity_suite, name, getattr(stand_in, name), raising=False)
     return stand_in
