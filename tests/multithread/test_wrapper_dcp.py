@@ -10,7 +10,6 @@ checked against an unsharded reference and torch's wrapper on the same group.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import shutil
 from unittest import mock
@@ -34,13 +33,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp._debug_utils import SimpleProfiler
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 from reffsdp import FullyShardedDataParallel as FSDP
 from reffsdp.api import ShardingStrategy, StateDictType
 from reffsdp.core import comms
-from reffsdp.testing.models import MLP
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import train_step
 from reffsdp.wrapper import dcp_support
@@ -53,6 +50,7 @@ from tests.multithread.test_wrapper_state_dict import (
     full_values,
     make_inputs,
     trained,
+    trained_next_to_torch,
     wrap,
 )
 
@@ -155,16 +153,9 @@ class TestWrapperDCP(FSDPTestMultiThread):
         for use_orig_params in (False, True):
             base = _blocks()
             self.sync_module_states(base)
-            torch_model = TorchFSDP(
-                copy.deepcopy(base),
-                auto_wrap_policy=TorchModuleWrapPolicy({MLP}),
-                device_id=torch.device("cpu"),
-                use_orig_params=use_orig_params,
+            torch_model, torch_optim, model, optim = trained_next_to_torch(
+                base, self.rank, use_orig_params
             )
-            model = wrap(copy.deepcopy(base), use_orig_params=use_orig_params)
-            torch_optim, optim = adam(torch_model.parameters()), adam(model.parameters())
-            train_step(torch_model, torch_optim, make_inputs(0, self.rank))
-            train_step(model, optim, make_inputs(0, self.rank))
             for options in (FULL, SHARDED):
                 where = f"full={options.full_state_dict}, use_orig_params={use_orig_params}"
                 state = get_model_state_dict(model, options=options)

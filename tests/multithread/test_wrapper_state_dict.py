@@ -73,6 +73,27 @@ def wrap(model: MLPBlocks, **kwargs) -> FSDP:
     return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({MLP}), **kwargs)
 
 
+def torch_wrap(base: MLPBlocks, **kwargs) -> TorchFSDP:
+    """torch's wrapper over a copy of ``base``, wrapped as :func:`wrap` wraps ours."""
+    return TorchFSDP(
+        copy.deepcopy(base),
+        auto_wrap_policy=TorchModuleWrapPolicy({MLP}),
+        device_id=torch.device("cpu"),
+        **kwargs,
+    )
+
+
+def trained_next_to_torch(base: MLPBlocks, rank: int, use_orig_params: bool):
+    """(torch's wrapper, its optimizer, ours, its optimizer) over copies of ``base``, after
+    one step on the same inputs."""
+    torch_model = torch_wrap(base, use_orig_params=use_orig_params)
+    model = wrap(copy.deepcopy(base), use_orig_params=use_orig_params)
+    torch_optim, optim = adam(torch_model.parameters()), adam(model.parameters())
+    train_step(torch_model, torch_optim, make_inputs(0, rank))
+    train_step(model, optim, make_inputs(0, rank))
+    return torch_model, torch_optim, model, optim
+
+
 def adam(params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2)
 
@@ -207,16 +228,9 @@ class TestWrapperStateDict(FSDPTestMultiThread):
         for use_orig_params in (False, True):
             base = _blocks()
             self.sync_module_states(base)
-            torch_model = TorchFSDP(
-                copy.deepcopy(base),
-                auto_wrap_policy=TorchModuleWrapPolicy({MLP}),
-                device_id=torch.device("cpu"),
-                use_orig_params=use_orig_params,
+            torch_model, torch_optim, model, optim = trained_next_to_torch(
+                base, self.rank, use_orig_params
             )
-            model = wrap(copy.deepcopy(base), use_orig_params=use_orig_params)
-            torch_optim, optim = adam(torch_model.parameters()), adam(model.parameters())
-            train_step(torch_model, torch_optim, make_inputs(0, self.rank))
-            train_step(model, optim, make_inputs(0, self.rank))
             for kind, torch_kind in zip(StateDictType, TorchStateDictType):
                 with TorchFSDP.state_dict_type(torch_model, torch_kind):
                     expected = torch_model.state_dict()
@@ -261,11 +275,7 @@ class TestWrapperStateDict(FSDPTestMultiThread):
 
     def test_strict_reports_original_names_like_torch(self):
         base = _blocks()
-        torch_model = TorchFSDP(
-            copy.deepcopy(base),
-            auto_wrap_policy=TorchModuleWrapPolicy({MLP}),
-            device_id=torch.device("cpu"),
-        )
+        torch_model = torch_wrap(base)
         for kind, torch_kind in ((FULL, TorchStateDictType.FULL_STATE_DICT), (
             SHARDED, TorchStateDictType.SHARDED_STATE_DICT
         )):  # fmt: skip
@@ -324,12 +334,7 @@ class TestWrapperStateDict(FSDPTestMultiThread):
         base = _blocks()
         self.sync_module_states(base)
         mixed = dict(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
-        torch_model = TorchFSDP(
-            copy.deepcopy(base),
-            auto_wrap_policy=TorchModuleWrapPolicy({MLP}),
-            device_id=torch.device("cpu"),
-            mixed_precision=TorchMixedPrecision(**mixed),
-        )
+        torch_model = torch_wrap(base, mixed_precision=TorchMixedPrecision(**mixed))
         model = wrap(copy.deepcopy(base), mixed_precision=MixedPrecision(**mixed))
         inputs = make_inputs(0, self.rank)
         torch_model(inputs), model(inputs)
@@ -392,12 +397,8 @@ class TestWrapperStateDict(FSDPTestMultiThread):
         then holds them beside the flat shard, like torch's, and the backward is unchanged."""
         base = _blocks()
         self.sync_module_states(base)
-        torch_model = TorchFSDP(
-            copy.deepcopy(base),
-            auto_wrap_policy=TorchModuleWrapPolicy({MLP}),
-            device_id=torch.device("cpu"),
-            use_orig_params=True,
-            sharding_strategy=TorchShardingStrategy.SHARD_GRAD_OP,
+        torch_model = torch_wrap(
+            base, use_orig_params=True, sharding_strategy=TorchShardingStrategy.SHARD_GRAD_OP
         )
         kwargs = dict(use_orig_params=True, sharding_strategy=SHARD_GRAD_OP)
         model, twin = wrap(copy.deepcopy(base), **kwargs), wrap(copy.deepcopy(base), **kwargs)
