@@ -9,10 +9,8 @@ checked against an unsharded reference and torch's wrapper on the same group.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import shutil
-from unittest import mock
 
 import pytest
 import torch
@@ -32,7 +30,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-from torch.distributed.fsdp._debug_utils import SimpleProfiler
 from torch.distributed.tensor import DTensor
 
 from reffsdp import FullyShardedDataParallel as FSDP
@@ -44,6 +41,7 @@ from reffsdp.wrapper import dcp_support
 from tests.multithread.test_fully_shard_checkpoint import shared_temp_dir
 from tests.multithread.test_wrapper_state_dict import (
     DIM,
+    NextToTorchsWrapper,
     _blocks,
     _local_tensors,
     adam,
@@ -82,21 +80,7 @@ def load(model, optim, model_state, optim_state, options: StateDictOptions) -> N
         )  # fmt: skip
 
 
-class TestWrapperDCP(FSDPTestMultiThread):
-    @property
-    def world_size(self) -> int:
-        return 2
-
-    def setUp(self) -> None:
-        super().setUp()
-        # torch's optimizer state dict times itself in a class-wide profiler that threads
-        # sharing one process corrupt; the reference runs without it.
-        patch = mock.patch.object(
-            SimpleProfiler, "profile", classmethod(lambda cls, _: contextlib.nullcontext())
-        )
-        patch.start()
-        self.addCleanup(patch.stop)
-
+class TestWrapperDCP(NextToTorchsWrapper):
     def _check_continues(self, model, optim, other, other_optim, where: str) -> None:
         for step in (2, 3):
             inputs = make_inputs(step, self.rank)

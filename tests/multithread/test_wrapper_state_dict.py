@@ -133,7 +133,9 @@ def _local_tensors(value) -> list[torch.Tensor]:
     return [value]
 
 
-class TestWrapperStateDict(FSDPTestMultiThread):
+class NextToTorchsWrapper(FSDPTestMultiThread):
+    """Two threaded ranks on which torch's wrapper can run as the reference."""
+
     @property
     def world_size(self) -> int:
         return 2
@@ -148,6 +150,8 @@ class TestWrapperStateDict(FSDPTestMultiThread):
         patch.start()
         self.addCleanup(patch.stop)
 
+
+class TestWrapperStateDict(NextToTorchsWrapper):
     def _check_round_trip(self, kind: StateDictType, *configs, **kwargs) -> None:
         for use_orig_params in (False, True):
             _, _, model, optim = trained(use_orig_params, self.world_size, **kwargs)
