@@ -223,7 +223,7 @@ class PendingReduce:
 
     members: list[GroupMember]
     spec: ReduceSpec
-    input: torch.Tensor | None  # kept alive until the collective finishes
+    input: torch.Tensor | None  # CUDA only: held until the collective finishes
     output: torch.Tensor | None  # 1D, this rank's reduced row
     work: dist.Work | None = None
     completed: bool = field(default=False)
@@ -275,7 +275,11 @@ def _hand_out_grads(members: list[GroupMember], output: torch.Tensor) -> bool:
 def foreach_reduce(
     members: list[GroupMember], grads: list[torch.Tensor], spec: ReduceSpec
 ) -> PendingReduce:
-    """Reduce-scatter all ``grads`` in one collective (see [Note: one collective per group])."""
+    """Reduce-scatter all ``grads`` in one collective (see [Note: one collective per group]).
+
+    Empties ``grads``: once copied into the collective's input the unsharded gradients are
+    freed, before the collective allocates anything of its own.
+    """
     world_size = spec.mesh_info.shard_size
     shard_numel = sum(m.shard_numel for m in members)
     comm = spec.comm or comms.DefaultReduceScatter()
@@ -283,6 +287,7 @@ def foreach_reduce(
         (world_size * shard_numel,), dtype=spec.reduce_dtype, device=grads[0].device
     )
     torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=rs_input.view(world_size, -1))
+    grads.clear()
     if spec.custom_reduction is not None:
         return _custom_reduce(members, rs_input, spec)
     plan = spec.plan
@@ -295,7 +300,12 @@ def foreach_reduce(
     output = rs_input.new_empty(shard_numel)
     group = spec.group if spec.group is not None else spec.mesh_info.shard_group
     work = comm(output, rs_input, group, plan.reduce_scatter_op, async_op=True)
-    return PendingReduce(members, spec, input=rs_input, output=output, work=work)
+    # On CUDA the caching allocator could hand the input's memory to the next allocation on
+    # the compute stream while the backend's stream still reads it: we hold it until the
+    # collective completes. On CPU a backend holds its own reference for as long as it reads
+    # a tensor (gloo even copies the input at issue), so ours would only raise the peak.
+    keep = rs_input if rs_input.device.type == "cuda" else None
+    return PendingReduce(members, spec, input=keep, output=output, work=work)
 
 
 def _custom_reduce(

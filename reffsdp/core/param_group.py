@@ -249,9 +249,9 @@ class ParamGroup:
             self.reshard()
         if members:
             assert self.comm_ctx is not None
+            self.comm_ctx.make_room_for_reduce(settings.max_pending_reduces)
             self.comm_ctx.add_pending_reduce(
-                collectives.foreach_reduce(members, grads, self._reduce_spec(members, grads)),
-                settings.max_pending_reduces,
+                collectives.foreach_reduce(members, grads, self._reduce_spec(members, grads))
             )
 
     def _reduce_spec(self, members: list[GroupMember], grads: list[torch.Tensor]) -> ReduceSpec:
