@@ -15,6 +15,10 @@ Two ranks, params ``a`` (3 rows) and ``b`` (2 rows), one element per row::
     reduce-scatter input, row 0: [a0 a1 | b0]      row 1: [a2 pad | b1]
     rank 0 receives sum of row 0 -> grad shards a[0:2], b[0:1]
 
+A group of one member (a wrapper instance's flat parameter, or a lone parameter) needs
+neither copy: its shard is the whole of row r, so the group may pass the member's own
+output buffer as ``output`` and the collective gathers the shard straight into it.
+
 [Note: gradient divide factors]
 Data parallelism averages gradients over ``dp = shard_size * replicate_size`` ranks. When
 the reduce dtype cannot overflow (fp32, bf16) and the backend supports it we let the
@@ -65,6 +69,7 @@ class AllGatherResult:
     world_size: int  # ranks that contributed, i.e. rows of the output
     work: dist.Work | None = None
     event: Any = None  # recorded on the all-gather stream after the collective (CUDA)
+    in_place: bool = False  # ``output`` is the one member's buffer: no copy-out
 
     def wait(self) -> None:
         """Make the current stream (and, for CPU backends, the caller) wait for the data."""
@@ -83,8 +88,22 @@ def foreach_all_gather(
     *,
     async_op: bool,
     comm: comms.AllGather | None = None,
+    output: torch.Tensor | None = None,
 ) -> AllGatherResult:
-    """Copy every input into this rank's slice of one buffer and all-gather it in place."""
+    """Copy every input into this rank's slice of one buffer and all-gather it in place.
+
+    With one input, ``output`` may be given: the member's own buffer, gathered into
+    directly (see [Note: one collective per group]).
+    """
+    if output is not None:
+        (shard,) = inputs
+        work = None
+        if world_size > 1:
+            work = (comm or comms.DefaultAllGather())(output, shard, group, async_op=async_op)
+        else:
+            output.copy_(shard)
+        work = work if async_op else None
+        return AllGatherResult(output, [shard.numel()], world_size, work, in_place=True)
     if len({t.dtype for t in inputs}) > 1:
         # Mixed dtypes (e.g. a frozen non-float parameter): move raw bytes instead.
         inputs = [t.view(torch.uint8) for t in inputs]
@@ -107,6 +126,9 @@ def foreach_all_gather_copy_out(result: AllGatherResult, members: list[GroupMemb
     viewed with the same number of rows, receives its column block.
     """
     result.wait()
+    if result.in_place:
+        members[0].finish_unshard()
+        return
     targets = [member.all_gather_output().view(result.world_size, -1) for member in members]
     if result.output.dtype == torch.uint8:
         targets = [t.view(torch.uint8) for t in targets]
