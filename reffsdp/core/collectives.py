@@ -15,6 +15,10 @@ Two ranks, params ``a`` (3 rows) and ``b`` (2 rows), one element per row::
     reduce-scatter input, row 0: [a0 a1 | b0]      row 1: [a2 pad | b1]
     rank 0 receives sum of row 0 -> grad shards a[0:2], b[0:1]
 
+A group of one member (a wrapper instance's flat parameter, or a lone parameter) needs
+neither copy: its shard is the whole of row r, so the group may pass the member's own
+output buffer as ``output`` and the collective gathers the shard straight into it.
+
 [Note: gradient divide factors]
 Data parallelism averages gradients over ``dp = shard_size * replicate_size`` ranks. When
 the reduce dtype cannot overflow (fp32, bf16) and the backend supports it we let the
@@ -66,6 +70,7 @@ class AllGatherResult:
     world_size: int  # ranks that contributed, i.e. rows of the output
     work: dist.Work | None = None
     event: Any = None  # recorded on the all-gather stream after the collective (CUDA)
+    in_place: bool = False  # ``output`` is the one member's buffer: no copy-out
 
     @in_phase("all-gather")
     def wait(self) -> None:
@@ -85,8 +90,22 @@ def foreach_all_gather(
     *,
     async_op: bool,
     comm: comms.AllGather | None = None,
+    output: torch.Tensor | None = None,
 ) -> AllGatherResult:
-    """Copy every input into this rank's slice of one buffer and all-gather it in place."""
+    """Copy every input into this rank's slice of one buffer and all-gather it in place.
+
+    With one input, ``output`` may be given: the member's own buffer, gathered into
+    directly (see [Note: one collective per group]).
+    """
+    if output is not None:
+        (shard,) = inputs
+        work = None
+        if world_size > 1:
+            work = (comm or comms.DefaultAllGather())(output, shard, group, async_op=async_op)
+        else:
+            output.copy_(shard)
+        work = work if async_op else None
+        return AllGatherResult(output, [shard.numel()], world_size, work, in_place=True)
     if len({t.dtype for t in inputs}) > 1:
         # Mixed dtypes (e.g. a frozen non-float parameter): move raw bytes instead.
         inputs = [t.view(torch.uint8) for t in inputs]
@@ -110,6 +129,9 @@ def foreach_all_gather_copy_out(result: AllGatherResult, members: list[GroupMemb
     viewed with the same number of rows, receives its column block.
     """
     result.wait()
+    if result.in_place:
+        members[0].finish_unshard()
+        return
     targets = [member.all_gather_output().view(result.world_size, -1) for member in members]
     if result.output.dtype == torch.uint8:
         targets = [t.view(torch.uint8) for t in targets]
@@ -227,7 +249,7 @@ class PendingReduce:
 
     members: list[GroupMember]
     spec: ReduceSpec
-    input: torch.Tensor | None  # kept alive until the collective finishes
+    input: torch.Tensor | None  # CUDA only: held until the collective finishes
     output: torch.Tensor | None  # 1D, this rank's reduced row
     work: dist.Work | None = None
     completed: bool = field(default=False)
@@ -281,7 +303,11 @@ def _hand_out_grads(members: list[GroupMember], output: torch.Tensor) -> bool:
 def foreach_reduce(
     members: list[GroupMember], grads: list[torch.Tensor], spec: ReduceSpec
 ) -> PendingReduce:
-    """Reduce-scatter all ``grads`` in one collective (see [Note: one collective per group])."""
+    """Reduce-scatter all ``grads`` in one collective (see [Note: one collective per group]).
+
+    Empties ``grads``: once copied into the collective's input the unsharded gradients are
+    freed, before the collective allocates anything of its own.
+    """
     world_size = spec.mesh_info.shard_size
     shard_numel = sum(m.shard_numel for m in members)
     comm = spec.comm or comms.DefaultReduceScatter()
@@ -289,6 +315,7 @@ def foreach_reduce(
         (world_size * shard_numel,), dtype=spec.reduce_dtype, device=grads[0].device
     )
     torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=rs_input.view(world_size, -1))
+    grads.clear()
     if spec.custom_reduction is not None:
         return _custom_reduce(members, rs_input, spec)
     plan = spec.plan
@@ -301,7 +328,12 @@ def foreach_reduce(
     output = rs_input.new_empty(shard_numel)
     group = spec.group if spec.group is not None else spec.mesh_info.shard_group
     work = comm(output, rs_input, group, plan.reduce_scatter_op, async_op=True)
-    return PendingReduce(members, spec, input=rs_input, output=output, work=work)
+    # On CUDA the caching allocator could hand the input's memory to the next allocation on
+    # the compute stream while the backend's stream still reads it: we hold it until the
+    # collective completes. On CPU a backend holds its own reference for as long as it reads
+    # a tensor (gloo even copies the input at issue), so ours would only raise the peak.
+    keep = rs_input if rs_input.device.type == "cuda" else None
+    return PendingReduce(members, spec, input=keep, output=output, work=work)
 
 
 def _custom_reduce(

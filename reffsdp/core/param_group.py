@@ -150,7 +150,8 @@ class ParamGroup:
         stream = self.comm_ctx.all_gather_stream(self.device)
         if post_forward:
             stream.wait_for_compute()  # the post-forward blocks were cloned there
-        with stream.issuing(current=self.settings.unshard_async_op):
+        current = self.settings.unshard_async_op
+        with stream.issuing(current=current):
             if post_forward:
                 inputs = [m.post_forward_all_gather_input() for m in self.members]
             else:
@@ -162,8 +163,21 @@ class ParamGroup:
                 mesh_info.shard_rank,
                 async_op=True,
                 comm=self.settings.all_gather_comm,
+                output=self._member_output_to_gather_into(stream.on_compute_stream(current)),
             )
             self._all_gather.event = stream.record()
+
+    def _member_output_to_gather_into(self, on_compute_stream: bool) -> torch.Tensor | None:
+        """The one member's output buffer, to all-gather into without copies, or ``None``.
+
+        Only a group of one member, with no custom all-gather (which allocates its own
+        buffer), gathering on the compute stream: a member's buffer lives on the compute
+        stream, and a side stream writing into it could race with compute still reading its
+        memory (see [Note: why all-gathers get their own stream] in ``streams``).
+        """
+        if len(self.members) != 1 or self.settings.all_gather_comm is not None:
+            return None
+        return self.members[0].all_gather_output() if on_compute_stream else None
 
     def wait_for_unshard(self) -> None:
         """Finish a started all-gather and show the unsharded parameters."""
@@ -172,7 +186,8 @@ class ParamGroup:
         result, self._all_gather = self._all_gather, None
         collectives.foreach_all_gather_copy_out(result, self.members)
         assert self.comm_ctx is not None
-        self.comm_ctx.all_gather_stream(self.device).consumed(result.output)
+        if not result.in_place:  # a member's own buffer stays with the member
+            self.comm_ctx.all_gather_stream(self.device).consumed(result.output)
         for member in self.members:
             member.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
@@ -249,9 +264,9 @@ class ParamGroup:
             self.reshard()
         if members:
             assert self.comm_ctx is not None
+            self.comm_ctx.make_room_for_reduce(settings.max_pending_reduces)
             self.comm_ctx.add_pending_reduce(
-                collectives.foreach_reduce(members, grads, self._reduce_spec(members, grads)),
-                settings.max_pending_reduces,
+                collectives.foreach_reduce(members, grads, self._reduce_spec(members, grads))
             )
 
     def _reduce_spec(self, members: list[GroupMember], grads: list[torch.Tensor]) -> ReduceSpec:

@@ -3,10 +3,13 @@
 [Note: bounded in-flight reductions]
 Reduce-scatters are issued asynchronously so communication overlaps the rest of backward
 (on CPU too: gloo runs collectives on its own threads). Each in-flight reduction keeps its
-input buffer alive, so we bound how many are pending: issuing a new one first completes
-the oldest beyond the issuing group's ``max_pending_reduces`` setting. Whatever is still
-pending when backward ends is completed in the final callback, before anyone reads a
-gradient.
+input buffer alive, so we bound how many are pending: before a group allocates the input
+of a new one, it completes the oldest until fewer than its ``max_pending_reduces`` setting
+remain. Completing before allocating (not after issuing) is what keeps the bound a bound
+on memory: with the default of 1, the previous group's input is freed before the next
+input exists, and its reduction still overlapped the backward compute in between.
+Whatever is still pending when backward ends is completed in the final callback, before
+anyone reads a gradient.
 
 One :class:`CommContext` serves every group under a root: the front end's root creates it
 once and binds each group to it (``ParamGroup.bind``).
@@ -41,10 +44,14 @@ class CommContext:
             self._all_gather_stream = AllGatherStream(device)
         return self._all_gather_stream
 
-    def add_pending_reduce(self, pending: PendingReduce, max_pending: int) -> None:
-        self.pending_reduces.append(pending)
-        while len(self.pending_reduces) > max_pending:
+    def make_room_for_reduce(self, max_pending: int) -> None:
+        """Before a new reduction allocates: complete the oldest until fewer than
+        ``max_pending`` remain (see [Note: bounded in-flight reductions])."""
+        while len(self.pending_reduces) >= max_pending:
             self._complete_oldest()
+
+    def add_pending_reduce(self, pending: PendingReduce) -> None:
+        self.pending_reduces.append(pending)
 
     def complete_reduces(self) -> None:
         """End of backward: every gradient written, and (CPU offload) landed on the host."""

@@ -56,6 +56,10 @@ class AllGatherStream:
         with torch.cuda.stream(self.stream):
             yield
 
+    def on_compute_stream(self, current: bool = False) -> bool:
+        """Whether ``issuing(current)`` runs on the compute stream (always on CPU)."""
+        return self.stream is None or current
+
     def record(self) -> Any:
         """An event marking what the side stream has queued so far (``None`` on CPU)."""
         return None if self.stream is None else self.stream.record_event()

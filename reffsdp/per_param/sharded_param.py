@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-# DTensorSpec/TensorMeta: the only way to wrap a host shard on an accelerator mesh (see
-# ``ShardedParam._to_dtensor``).
+# DTensorSpec/TensorMeta: the only way to wrap a host shard on an accelerator mesh, and the
+# cheap way to wrap a gradient (see ``ShardedParam._to_dtensor``).
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..core.member import GroupMember, resolve_dtypes, with_storage
@@ -117,6 +117,7 @@ class ShardedParam(GroupMember):
             self.tp_spec = TensorParallelSpec(param.device_mesh, tuple(param.placements))
         self.global_size = param.size()
         self.spec_mesh, self.spec_placements = sharded_spec(mesh_info, self.shard_dim, self.tp_spec)
+        self._dtensor_specs: dict[torch.dtype, DTensorSpec] = {}  # see _to_dtensor
         local_param = param.to_local() if isinstance(param, DTensor) else param
         self.layout = ShardLayout(
             local_param.size(), self.shard_dim, mesh_info.shard_size, mesh_info.shard_rank
@@ -153,24 +154,22 @@ class ShardedParam(GroupMember):
         return shard.narrow(self.shard_dim, 0, self.layout.local_rows)
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
-        """Wrap a local shard (of the parameter or its gradient) with the sharded spec."""
-        if local.device.type not in (self.spec_mesh.device_type, "meta"):
-            # CPU offload on an accelerator mesh: ``DTensor.from_local`` would move the
-            # shard to the mesh's device, and no public constructor keeps it on the host.
+        """Wrap a local shard (of the parameter or its gradient) with the sharded spec.
+
+        Built on a spec made once per dtype rather than with ``DTensor.from_local``, which
+        runs an autograd function and builds a new spec on every call (about 15x slower, and
+        gradients are wrapped once per parameter per step), and which would move a host
+        shard (CPU offload on an accelerator mesh) to the mesh's device.
+        """
+        spec = self._dtensor_specs.get(local.dtype)
+        if spec is None:
             spec = DTensorSpec(
                 self.spec_mesh,
                 tuple(self.spec_placements),
                 TensorMeta(self.global_size, contiguous_strides(self.global_size), local.dtype),
             )
-            return DTensor(local, spec, requires_grad=False)
-        return DTensor.from_local(
-            local,
-            self.spec_mesh,
-            self.spec_placements,
-            run_check=False,
-            shape=self.global_size,
-            stride=contiguous_strides(self.global_size),
-        )
+            self._dtensor_specs[local.dtype] = spec
+        return DTensor(local, spec, requires_grad=False)
 
     def reset_sharded_param(self) -> None:
         """Re-read the registered parameter and re-pad its local tensor if it changed.

@@ -211,13 +211,17 @@ class FlatParamHandle(GroupMember):
         """Each original parameter as a view of the unsharded flat parameter.
 
         Made under grad mode, so autograd routes every use back into ``unsharded``; frozen
-        parameters are detached so no gradient is computed for them.
+        parameters are detached so no gradient is computed for them. The pieces come from
+        one ``split`` (padding segments included), so backward builds the flat gradient in
+        one node that concatenates the pieces' gradients; a ``narrow`` per parameter would
+        instead make a zero-filled flat-size gradient per parameter and sum them.
         """
         assert self.unsharded is not None, "unsharded views before an all-gather finished"
+        pieces = torch.split(self.unsharded, self.layout.numels_with_padding)
+        params = [piece for piece, seg in zip(pieces, self.layout.segments) if not seg.is_padding]
         views = []
-        for i, shape in enumerate(self.layout.shapes):
-            offset = self.layout.param_offsets[i]
-            view = self.unsharded.narrow(0, offset, self.layout.numels[i]).view(shape)
+        for i, (piece, shape) in enumerate(zip(params, self.layout.shapes)):
+            view = piece.view(shape)
             views.append(view if self.trainable[i] else view.detach())
         return views
 
@@ -275,11 +279,9 @@ class FlatParamHandle(GroupMember):
         if grad is None and zeros_if_unused:
             numel, dtype = self.layout.total_numel, self.compute_dtype
             grad = torch.zeros(numel, dtype=dtype, device=self.device)
-        if grad is None:
-            return None
-        # Pad to every rank's chunk so dim 0 splits into world_size equal chunks.
-        padding = self.layout.padded_numel - grad.numel()
-        return torch.nn.functional.pad(grad, (0, padding)) if padding else grad
+        # The reduce-scatter's copy-in pads dim 0 to world_size chunks of shard_numel
+        # (ceil(total_numel / world_size)) elements: no padded copy is needed here.
+        return grad
 
     def keep_unsharded_grad(self) -> None:
         grad = self._pop_unsharded_grad()

@@ -191,8 +191,9 @@ class TestOffloadAndComms(FSDPTestMultiThread):
         ref, model = self._ref_and_model()
         model.set_reduce_scatter_max_input_buffers(max_input_buffers)
         check_train_parity(self, ref, model, make_inputs, num_steps=2, num_microbatches=2)
-        # A reduction writes its gradients once it completes; when the j-th reduce-scatter
-        # of a backward is issued, only the reductions beyond the bound have completed.
+        # A reduction writes its gradients once it completes; before the j-th reduce-scatter
+        # of a backward allocates its input, the oldest are completed until fewer than the
+        # bound remain in flight.
         model.zero_grad()
         written_at_issue: list[int] = []
         first_params = [model.proj.weight, *(layer.in_proj.weight for layer in model.layers)]
@@ -202,6 +203,6 @@ class TestOffloadAndComms(FSDPTestMultiThread):
 
         with observe_reduce_scatters(reduce_scatter):
             model(make_inputs(0, self.rank)).sum().backward()
-        expected = [max(0, j - max_input_buffers) for j in range(NUM_BLOCKS + 1)]
+        expected = [max(0, j - max_input_buffers + 1) for j in range(NUM_BLOCKS + 1)]
         self.assertEqual(written_at_issue, expected)
         self.assertTrue(all(p.grad is not None for p in first_params))
