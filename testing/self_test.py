@@ -129,10 +129,10 @@ def _front_padding() -> Iterator[None]:
 
     def flat_grad(self: Any, zeros_if_unused: bool) -> torch.Tensor | None:
         grad = flat(self, zeros_if_unused)
-        total = self.layout.total_numel
-        if grad is None or grad.numel() == total:
+        pad = self.layout.padded_numel - self.layout.total_numel
+        if grad is None or not pad:
             return grad
-        return torch.cat([grad.new_zeros(grad.numel() - total), grad[:total]])
+        return torch.cat([grad.new_zeros(pad), grad[: self.layout.total_numel]])
 
     with (
         mock.patch.object(ShardedParam, "take_grad_for_reduce", per_param_grad),
