@@ -17,7 +17,8 @@ Two ranks, params ``a`` (3 rows) and ``b`` (2 rows), one element per row::
 
 A group of one member (a wrapper instance's flat parameter, or a lone parameter) needs
 neither copy: its shard is the whole of row r, so the group may pass the member's own
-output buffer as ``output`` and the collective gathers the shard straight into it.
+output buffer as ``output`` and the collective gathers the shard straight into it. Its
+gradient, when it needs no padding or cast, is already the reduce-scatter input.
 
 [Note: gradient divide factors]
 Data parallelism averages gradients over ``dp = shard_size * replicate_size`` ranks. When
@@ -311,10 +312,12 @@ def foreach_reduce(
     world_size = spec.mesh_info.shard_size
     shard_numel = sum(m.shard_numel for m in members)
     comm = spec.comm or comms.DefaultReduceScatter()
-    rs_input = comm.allocate(
-        (world_size * shard_numel,), dtype=spec.reduce_dtype, device=grads[0].device
-    )
-    torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=rs_input.view(world_size, -1))
+    rs_input = _laid_out_already(grads, world_size * shard_numel, spec)
+    if rs_input is None:
+        rs_input = comm.allocate(
+            (world_size * shard_numel,), dtype=spec.reduce_dtype, device=grads[0].device
+        )
+        torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=rs_input.view(world_size, -1))
     grads.clear()
     if spec.custom_reduction is not None:
         return _custom_reduce(members, rs_input, spec)
@@ -334,6 +337,26 @@ def foreach_reduce(
     # a tensor (gloo even copies the input at issue), so ours would only raise the peak.
     keep = rs_input if rs_input.device.type == "cuda" else None
     return PendingReduce(members, spec, input=keep, output=output, work=work)
+
+
+def _laid_out_already(
+    grads: list[torch.Tensor], numel: int, spec: ReduceSpec
+) -> torch.Tensor | None:
+    """The one gradient itself, flattened, when it already is the reduce-scatter input.
+
+    A group of one member whose gradient needs no padding, no cast and no pre-divide has
+    exactly the layout of [Note: one collective per group]: row r is its chunk r. The
+    gradient was taken from the member, so nobody else reads it; a custom reduce-scatter
+    or reduction allocates (or may rewrite) its own buffer and still gets a copy.
+    """
+    if len(grads) != 1 or spec.comm is not None or spec.custom_reduction is not None:
+        return None
+    (grad,) = grads
+    if spec.plan.pre_factor is not None or spec.mesh_info.shard_size == 1:
+        return None
+    if grad.numel() != numel or grad.dtype != spec.reduce_dtype or not grad.is_contiguous():
+        return None
+    return grad.view(-1)
 
 
 def _custom_reduce(

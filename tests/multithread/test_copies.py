@@ -5,9 +5,12 @@
   output *is* that buffer, so there is no copy-in and no copy-out.
 * The wrapper shows the original parameters as pieces of one ``split`` of the unsharded flat
   parameter, so backward builds the flat gradient in one node.
+* A group of one member whose gradient needs no padding reduce-scatters that gradient itself.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ from reffsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
 from reffsdp.testing.build import wrap_blocks
 from reffsdp.testing.models import MLP, MLPBlocks
 from reffsdp.testing.multithread import FSDPTestMultiThread
-from reffsdp.testing.patching import observe_all_gathers
+from reffsdp.testing.patching import observe_all_gathers, observe_reduce_scatters
 
 pytestmark = pytest.mark.multithread
 
@@ -76,3 +79,45 @@ class WrapperViewsTest(FSDPTestMultiThread):
             self.assertIsNotNone(view, name)
             piece = view.next_functions[0][0]
             self.assertEqual(type(piece).__name__, "SplitWithSizesBackward0", name)
+
+
+class OneMemberReduceScatterTest(FSDPTestMultiThread):
+    world_size = 2
+
+    def _input_is_gradient(self, model: nn.Module, leaf: Callable[[], torch.Tensor]) -> bool:
+        """Whether backward's reduce-scatter reads ``leaf()``'s gradient itself (no copy)."""
+        inp = torch.randn(2, 4)
+        model(inp).sum().backward()  # the first iteration builds the unsharded tensors
+        grads: list[int] = []
+        leaf().register_hook(lambda grad: grads.append(_storage(grad)))
+        inputs: list[int] = []
+
+        def observe(output, input, op, group):
+            inputs.append(_storage(input))
+
+        with observe_reduce_scatters(observe):
+            model(inp).sum().backward()
+        self.assertEqual((len(grads), len(inputs)), (1, 1))
+        return grads == inputs
+
+    def test_wrapper_reduce_scatters_the_flat_gradient(self):
+        torch.manual_seed(0)
+        model = FullyShardedDataParallel(MLP(4, dim_multiplier=2))  # 76 elements: no padding
+        self.assertTrue(self._input_is_gradient(model, lambda: model._handle.unsharded))
+
+    def test_one_parameter_without_padding(self):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 6, bias=False)  # 6 rows: 3 per rank
+        fully_shard(model)
+        self.assertTrue(self._input_is_gradient(model, lambda: _unsharded(model)))
+
+    def test_padding_needs_a_copy(self):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 5, bias=False)  # 5 rows: padded to 6
+        fully_shard(model)
+        self.assertFalse(self._input_is_gradient(model, lambda: _unsharded(model)))
+
+
+def _unsharded(model: nn.Module) -> torch.Tensor:
+    (member,) = model._get_fsdp_state().group.members
+    return member.unsharded_param
