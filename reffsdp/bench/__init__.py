@@ -1,7 +1,8 @@
 """Benchmarks of reffsdp against torch's FSDP, DDP and a local baseline.
 
-Run ``python -m reffsdp.bench --help``. The one part of reffsdp that imports torch's FSDP,
-lazily, as the reference being measured against (see ``impls``).
+Run ``python -m reffsdp.bench --help``. Like the rest of reffsdp it never imports torch's
+FSDP: torch's implementations, the reference, are built in
+``tests/benchmarks/torch_reference.py``, loaded from a source checkout (see ``impls``).
 """
 
 from .cli import main

@@ -1,15 +1,19 @@
 """The implementations the benchmark compares, each one way to train the same model.
 
-torch's FSDP is imported inside the builders only, as the reference being measured against:
-``reffsdp.bench`` is the one part of reffsdp allowed to import it, and importing the
-package still loads none of it.
+reffsdp never imports torch's FSDP, not even here. torch's ``fully_shard`` and
+``FullyShardedDataParallel``, the reference being measured against, are built by
+``tests/benchmarks/torch_reference.py`` (:data:`REFERENCE_MODULE`), loaded on first need
+in each rank: from a source checkout run at the repository root they are measured as
+reffsdp's own are; elsewhere (an installed wheel) they are skipped, with the reason.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn as nn
@@ -45,6 +49,16 @@ STRATEGY = {
 }
 
 
+# Where torch's implementations are built: a module of the tests, importable when the
+# repository root is on ``sys.path`` (spawned ranks inherit the launcher's ``sys.path``).
+REFERENCE_MODULE = "tests.benchmarks.torch_reference"
+REFERENCE_IMPLS = ("torch_fully_shard", "torch_fsdp")
+NO_REFERENCE = (
+    "torch's FSDP is the reference only from a source checkout: run from the repository "
+    "root (tests/benchmarks/torch_reference.py)"
+)
+
+
 class Skip(Exception):
     """This implementation cannot run with these options; the message says why."""
 
@@ -64,6 +78,18 @@ def _dtype(options: Options) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options.mixed_precision or "")
 
 
+def _reference_module() -> ModuleType | None:
+    """The module that builds torch's implementations; None outside a source checkout."""
+    try:
+        return importlib.import_module(REFERENCE_MODULE)
+    except ModuleNotFoundError as error:
+        parts = REFERENCE_MODULE.split(".")
+        missing = {".".join(parts[: i + 1]) for i in range(len(parts))}
+        if error.name in missing:
+            return None
+        raise  # the module is there but something it imports is not: show that
+
+
 def skip_reason(name: str, options: Options) -> str | None:
     """Why ``name`` cannot run with ``options``, decided before building anything."""
     if name == "torch_fsdp" and options.device.type == "cpu" and options.offload:
@@ -74,6 +100,8 @@ def skip_reason(name: str, options: Options) -> str | None:
         return "torch's FullyShardedDataParallel is not run over the threaded process group"
     if name == "ddp" and options.backend == "threaded":
         return "DDP's C++ reducer cannot drive the Python threaded process group"
+    if name in REFERENCE_IMPLS and _reference_module() is None:
+        return NO_REFERENCE
     return None
 
 
@@ -128,26 +156,12 @@ def build_reffsdp_fully_shard(model: nn.Module, options: Options) -> nn.Module:
     return _fully_shard(reffsdp, model, options)
 
 
-def build_torch_fully_shard(model: nn.Module, options: Options) -> nn.Module:
-    import torch.distributed.fsdp as torch_fsdp
-
-    return _fully_shard(torch_fsdp, model, options)
-
-
 def build_reffsdp_fsdp(model: nn.Module, options: Options) -> nn.Module:
     import reffsdp
     import reffsdp.wrap
 
     device_id = options.device if options.device.type == "cuda" else None
     return _wrapper(reffsdp, reffsdp.wrap, model, options, device_id)
-
-
-def build_torch_fsdp(model: nn.Module, options: Options) -> nn.Module:
-    import torch.distributed.fsdp as torch_fsdp
-    import torch.distributed.fsdp.wrap as torch_wrap
-
-    # On CPU torch's wrapper must be told the device explicitly.
-    return _wrapper(torch_fsdp, torch_wrap, model, options, options.device)
 
 
 def build_ddp(model: nn.Module, options: Options) -> nn.Module:
@@ -161,14 +175,23 @@ def build_local(model: nn.Module, options: Options) -> nn.Module:
     return model
 
 
+# reffsdp's own builders; torch's (REFERENCE_IMPLS) come from REFERENCE_MODULE's BUILDERS.
 BUILDERS: dict[str, Callable[[nn.Module, Options], nn.Module]] = {
     "reffsdp_fully_shard": build_reffsdp_fully_shard,
-    "torch_fully_shard": build_torch_fully_shard,
     "reffsdp_fsdp": build_reffsdp_fsdp,
-    "torch_fsdp": build_torch_fsdp,
     "ddp": build_ddp,
     "local": build_local,
 }
+
+
+def builder(name: str) -> Callable[[nn.Module, Options], nn.Module]:
+    """The function that builds ``name`` (torch's from :data:`REFERENCE_MODULE`)."""
+    if name in REFERENCE_IMPLS:
+        module = _reference_module()
+        if module is None:
+            raise Skip(NO_REFERENCE)
+        return module.BUILDERS[name]
+    return BUILDERS[name]
 
 
 def build(name: str, base: nn.Module, options: Options) -> nn.Module:
@@ -176,4 +199,4 @@ def build(name: str, base: nn.Module, options: Options) -> nn.Module:
     reason = skip_reason(name, options)
     if reason is not None:
         raise Skip(reason)
-    return BUILDERS[name](copy.deepcopy(base), options)
+    return builder(name)(copy.deepcopy(base), options)

@@ -109,10 +109,12 @@ def summarize(ranks: list[dict], config: dict[str, Any]) -> dict[str, Any]:
                 param_bytes=impl_param_bytes,
             ),
         }
+    # None (null in the JSON, "-" in the table) when torch's fully_shard was skipped or not run.
     reference = summary.get(TORCH_FULLY_SHARD, {}).get("step_ms", {}).get("median")
     for entry in summary.values():
-        if reference and "step_ms" in entry:
-            entry["ratio_to_torch_fully_shard"] = entry["step_ms"]["median"] / reference
+        if "step_ms" in entry:
+            ratio = entry["step_ms"]["median"] / reference if reference else None
+            entry["ratio_to_torch_fully_shard"] = ratio
     return summary
 
 

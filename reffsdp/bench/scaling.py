@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .impls import IMPLS, LABELS, STRATEGY, Options, build
+from .impls import IMPLS, LABELS, STRATEGY, Options, build, skip_reason
 from .launch import heap_counter_preloaded, run_single_process
 from .memory import HeapCounter, MemoryProbe
 from .models import Workload, param_counts
@@ -127,6 +127,9 @@ def run_fake_worlds(config: dict[str, Any]) -> dict[str, Any]:
     params, root_params, largest_block = param_counts(base)
     batch = workload.batch(0, device)
     loss_fn = workload.loss_fn()
+    fake = Options(workload, device, "fake", offload=False, mixed_precision=None)
+    skipped = {name: skip_reason(name, fake) for name in config["impls"]}
+    names = [name for name, reason in skipped.items() if reason is None]
     rows = []
     for world_size in config["world_sizes"]:
         padded = _padded_numel(base, world_size)
@@ -139,12 +142,11 @@ def run_fake_worlds(config: dict[str, Any]) -> dict[str, Any]:
             "results": {},
         }
         with fake_process_group(world_size, rank=0):
-            options = Options(workload, device, "fake", offload=False, mixed_precision=None)
-            prime(config["impls"], options, base)
-            for name in config["impls"]:
+            prime(names, fake, base)
+            for name in names:
                 gc.collect()
                 before = probe.current()
-                model = build(name, base, options)
+                model = build(name, base, fake)
                 optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
                 step = make_step(model, optim, batch, loss_fn)
                 del model, optim  # the step holds them
@@ -174,10 +176,13 @@ def run_fake_worlds(config: dict[str, Any]) -> dict[str, Any]:
         "largest_block_params": largest_block,
         "strategy": STRATEGY[config["impls"][0]],
         "rows": rows,
+        "skipped": {name: reason for name, reason in skipped.items() if reason is not None},
     }
 
 
 def _print_fake(fake: dict[str, Any]) -> None:
+    for name, reason in fake["skipped"].items():
+        print(f"   {LABELS[name]}: skipped: {reason}")
     names = list(fake["rows"][0]["results"])
     header = f"   {'W':>5} {'min MB':>8} {'12Ψpad/W MB':>11}"
     for name in names:

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from reffsdp.bench.impls import Options, skip_reason
+from reffsdp.bench import impls
+from reffsdp.bench.impls import Options, Skip, build, skip_reason
 from reffsdp.bench.models import Workload
-from reffsdp.bench.report import analytic_min_bytes, sent_per_rank
+from reffsdp.bench.report import analytic_min_bytes, format_table, sent_per_rank, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +66,49 @@ def test_runs_torch_cannot_do_are_skipped_with_the_reason():
     assert "offload" in skip_reason("torch_fsdp", cpu)
     assert skip_reason("reffsdp_fsdp", cpu) is None
     assert skip_reason("torch_fsdp", Options(cpu.workload, cpu.device, "gloo", False, None)) is None
+
+
+def _rank_results(reason: str) -> dict:
+    """One rank's raw results: reffsdp's fully_shard ran, torch's was skipped."""
+    ran = {"notes": [], "step_s": [0.02, 0.01, 0.03], "comm_bytes": {}, "comm_counts": {}}
+    return {
+        "_meta": {"memory_measured": False, "params": 10, "root_params": 2},
+        "reffsdp_fully_shard": ran,
+        "torch_fully_shard": {"notes": [], "skipped": reason},
+    }
+
+
+def test_without_the_reference_module_torch_is_skipped_and_the_ratio_is_empty(monkeypatch):
+    """Outside a source checkout torch's builders cannot be loaded: both torch rows are
+    skipped with the reason, and the report has no ratio (null, "-") instead of failing."""
+    monkeypatch.setattr(impls, "REFERENCE_MODULE", "tests.benchmarks.no_such_module")
+    options = Options(Workload("mlp", "tiny"), torch.device("cpu"), "gloo", False, None)
+    for name in ("torch_fully_shard", "torch_fsdp"):
+        reason = skip_reason(name, options)
+        assert "source checkout" in reason and "torch_reference.py" in reason, reason
+        with pytest.raises(Skip, match="source checkout"):
+            build(name, torch.nn.Linear(2, 2), options)
+    assert skip_reason("reffsdp_fully_shard", options) is None
+    assert skip_reason("ddp", options) is None
+    # The reasons that do not depend on the checkout still come first.
+    offload = Options(options.workload, options.device, "gloo", True, None)
+    assert "offload" in skip_reason("torch_fsdp", offload)
+
+    reason = skip_reason("torch_fully_shard", options)
+    impls_run = ["reffsdp_fully_shard", "torch_fully_shard"]
+    for config_impls in (impls_run, impls_run[:1]):  # torch's fully_shard skipped, not selected
+        config = {"impls": config_impls, "mixed_precision": None}
+        summary = summarize([_rank_results(reason), _rank_results(reason)], config)
+        assert summary["reffsdp_fully_shard"]["ratio_to_torch_fully_shard"] is None
+        assert (
+            json.loads(json.dumps(summary))["reffsdp_fully_shard"]
+            == (summary["reffsdp_fully_shard"])
+        )
+        lines = format_table(summary, "").splitlines()
+        ours = next(line for line in lines if line.startswith("reffsdp fully_shard"))
+        assert ours.split()[2:5] == ["20.0", "15.0-25.0", "-"], ours
+        if "torch_fully_shard" in config_impls:
+            assert f"torch fully_shard    skipped: {reason}" in lines
 
 
 def test_analytic_bytes():

@@ -1,8 +1,9 @@
 """The public surface of ``reffsdp`` mirrors ``torch.distributed.fsdp`` (SPEC 1.1-1.3).
 
 torch's own objects are the reference here: signatures and dataclass fields are compared
-against them directly. That is the only use of ``torch.distributed.fsdp`` in reffsdp, and a
-test below checks the package and its testing helpers never import it.
+against them directly. Only tests use ``torch.distributed.fsdp`` (here, and as the
+benchmark's reference in ``tests/benchmarks/torch_reference.py``); a test below checks the
+package, its testing helpers and its benchmark never import it.
 """
 
 from __future__ import annotations
@@ -245,8 +246,6 @@ def _imported_modules(tree: ast.AST) -> list[str]:
     return names
 
 
-# The benchmarks measure reffsdp against torch's FSDP, so they may import it (lazily, inside
-# the functions that build torch's implementations); torch's internal testing stays off-limits.
 BENCH = ROOT / "reffsdp" / "bench"
 
 
@@ -254,40 +253,55 @@ def _package_sources() -> list[pathlib.Path]:
     return sorted([*(ROOT / "reffsdp").rglob("*.py"), *(ROOT / "testing").rglob("*.py")])
 
 
-def _forbidden_for(path: pathlib.Path) -> tuple[str, ...]:
-    if path.is_relative_to(BENCH):
-        return ("torch.testing._internal",)
-    return FORBIDDEN
-
-
 def test_sources_never_import_torch_fsdp_or_torch_internal_testing():
+    """No file of the package, its testing helpers or its benchmark imports either; torch's
+    implementations the benchmark measures against are built under ``tests/``."""
     sources = _package_sources()
     assert len(sources) > 10
-    assert any(path.is_relative_to(BENCH) for path in sources)
+    assert BENCH / "impls.py" in sources
     offenders = []
     for path in sources:
         for name in _imported_modules(ast.parse(path.read_text(), filename=str(path))):
-            if name.startswith(_forbidden_for(path)):
+            if name.startswith(FORBIDDEN):
                 offenders.append(f"{path.relative_to(ROOT)}: {name}")
     assert offenders == []
 
 
-def test_only_the_benchmarks_are_exempt():
-    assert _forbidden_for(BENCH / "impls.py") == ("torch.testing._internal",)
-    for path in (ROOT / "reffsdp" / "core" / "comms.py", ROOT / "reffsdp" / "benchmarks.py"):
-        assert _forbidden_for(path) == FORBIDDEN
+def test_the_benchmark_finds_torch_builders_in_the_tests_from_the_repository_root():
+    """From the repository root, ``reffsdp.bench`` loads both of torch's implementations
+    from the reference module under ``tests/``, and they build torch's FSDP, not ours."""
+    script = textwrap.dedent(
+        """
+        import importlib, sys
+        import torch, torch.nn as nn
+        from torch.distributed.device_mesh import init_device_mesh
+        from reffsdp.bench import impls
+        from reffsdp.bench.models import Workload
+        from reffsdp.testing.fake_pg import fake_process_group
 
-
-def test_benchmarks_import_torch_fsdp_only_inside_functions():
-    """Importing ``reffsdp.bench`` must not load torch's FSDP: only function bodies import it."""
-    for path in BENCH.rglob("*.py"):
-        tree = ast.parse(path.read_text(), filename=str(path))
-        top_level = ast.Module(
-            body=[node for node in tree.body if not isinstance(node, ast.FunctionDef)],
-            type_ignores=[],
-        )
-        names = _imported_modules(top_level)
-        assert not [n for n in names if n.startswith(FORBIDDEN)], path
+        assert impls.REFERENCE_MODULE.startswith("tests."), impls.REFERENCE_MODULE
+        module = importlib.import_module(impls.REFERENCE_MODULE)
+        assert module.__file__.startswith(sys.argv[1]), module.__file__
+        assert set(module.BUILDERS) == set(impls.REFERENCE_IMPLS)
+        assert set(impls.REFERENCE_IMPLS) == {"torch_fully_shard", "torch_fsdp"}
+        options = impls.Options(Workload("mlp", "tiny"), torch.device("cpu"), "fake", False, None)
+        with fake_process_group(2, rank=0):
+            init_device_mesh("cpu", (2,))
+            base = options.workload.build(options.device)
+            for name in impls.REFERENCE_IMPLS:
+                assert impls.skip_reason(name, options) is None, name
+                model = impls.build(name, base, options)
+                assert type(model).__module__.startswith("torch.distributed.fsdp"), type(model)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(ROOT)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_scanner_sees_forbidden_imports():
@@ -312,6 +326,7 @@ def test_importing_reffsdp_loads_no_torch_fsdp_and_warns_nothing():
         for path in folder.glob("*.py")
         if path.stem not in ("__init__", "__main__")
     )
+    assert "reffsdp.bench.impls" in modules
     script = textwrap.dedent(
         f"""
         import sys, warnings
@@ -325,6 +340,7 @@ def test_importing_reffsdp_loads_no_torch_fsdp_and_warns_nothing():
                if issubclass(w.category, (FutureWarning, DeprecationWarning))]
         assert not bad, bad
         assert "torch.distributed.fsdp" not in sys.modules
+        assert "tests.benchmarks.torch_reference" not in sys.modules
         """
     )
     result = subprocess.run(

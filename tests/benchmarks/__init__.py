@@ -1,0 +1,1 @@
+"""Benchmarks, and the torch implementations ``python -m reffsdp.bench`` measures against."""
