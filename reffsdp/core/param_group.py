@@ -51,7 +51,8 @@ class GroupSettings:
     all_gather_comm: comms.AllGather | None = None
     reduce_scatter_comm: comms.ReduceScatter | None = None
     reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
-    max_pending_reduces: int = 1  # see [Note: bounded in-flight reductions]
+    # None: 1 on an accelerator, 0 on CPU (see [Note: bounded in-flight reductions]).
+    max_pending_reduces: int | None = None
     # Replaces the reduce-scatter, all-reduce and divides (see [Note: custom reductions]).
     custom_reduction: CustomReduction | None = None
 
@@ -264,9 +265,13 @@ class ParamGroup:
             self.reshard()
         if members:
             assert self.comm_ctx is not None
-            self.comm_ctx.make_room_for_reduce(settings.max_pending_reduces)
+            max_pending = settings.max_pending_reduces
+            if max_pending is None:
+                max_pending = 0 if self.device.type == "cpu" else 1
+            self.comm_ctx.make_room_for_reduce(max_pending)
             self.comm_ctx.add_pending_reduce(
-                collectives.foreach_reduce(members, grads, self._reduce_spec(members, grads))
+                collectives.foreach_reduce(members, grads, self._reduce_spec(members, grads)),
+                max_pending,
             )
 
     def _reduce_spec(self, members: list[GroupMember], grads: list[torch.Tensor]) -> ReduceSpec:

@@ -194,6 +194,39 @@ class TestOffloadAndComms(FSDPTestMultiThread):
         # A reduction writes its gradients once it completes; before the j-th reduce-scatter
         # of a backward allocates its input, the oldest are completed until fewer than the
         # bound remain in flight.
+        self.assertEqual(self._written_at_issue(model), self._in_flight(max_input_buffers))
+
+    def test_reduce_scatters_complete_at_once_on_cpu_by_default(self):
+        """Without a bound set, a CPU reduction completes when issued: gloo's copy of its
+        input is not kept alive through the next block's backward. An explicit bound of 1
+        lets one stay in flight while the next block all-gathers."""
+        ref, model = self._ref_and_model()
+        check_train_parity(self, ref, model, make_inputs, num_steps=2, num_microbatches=2)
+        self.assertEqual(self._pending_at_backward_all_gathers(model), {0})
+        model.set_reduce_scatter_max_input_buffers(1)
+        self.assertIn(1, self._pending_at_backward_all_gathers(model))
+
+    def _pending_at_backward_all_gathers(self, model) -> set[int]:
+        """Reductions issued but not yet written, seen at each all-gather of a backward."""
+        model.zero_grad()
+        first_params = [model.proj.weight, *(layer.in_proj.weight for layer in model.layers)]
+        issued: list[None] = []
+        pending: set[int] = set()
+
+        def all_gather(output, input, group):
+            if issued:  # backward has begun reducing
+                pending.add(len(issued) - sum(p.grad is not None for p in first_params))
+
+        with observe_reduce_scatters(lambda *args: issued.append(None)):
+            with observe_all_gathers(all_gather):
+                model(make_inputs(0, self.rank)).sum().backward()
+        return pending
+
+    def _in_flight(self, bound: int) -> list[int]:
+        """How many of the first parameters hold gradients at each reduce-scatter's issue."""
+        return [max(0, j - bound + 1) for j in range(NUM_BLOCKS + 1)]
+
+    def _written_at_issue(self, model) -> list[int]:
         model.zero_grad()
         written_at_issue: list[int] = []
         first_params = [model.proj.weight, *(layer.in_proj.weight for layer in model.layers)]
@@ -203,6 +236,5 @@ class TestOffloadAndComms(FSDPTestMultiThread):
 
         with observe_reduce_scatters(reduce_scatter):
             model(make_inputs(0, self.rank)).sum().backward()
-        expected = [max(0, j - max_input_buffers + 1) for j in range(NUM_BLOCKS + 1)]
-        self.assertEqual(written_at_issue, expected)
         self.assertTrue(all(p.grad is not None for p in first_params))
+        return written_at_issue
