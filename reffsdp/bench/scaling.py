@@ -28,7 +28,7 @@ from .models import Workload, param_counts
 from .report import MB, analytic_min_bytes, sent_per_rank
 from .runner import make_step, prime
 
-MODEL_SIZES = ("tiny", "small", "27m", "100m")
+MODEL_SIZES = ("tiny", "small", "27m", "100m", "220m")
 WORLD_SIZES = (2, 4)
 WORLD_SIZE_MODEL = "small"
 FAKE_WORLD_SIZES = tuple(2**k for k in range(3, 11))  # 8 ... 1024
