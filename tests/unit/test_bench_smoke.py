@@ -97,7 +97,7 @@ def test_without_the_reference_module_torch_is_skipped_and_the_ratio_is_empty(mo
     reason = skip_reason("torch_fully_shard", options)
     impls_run = ["reffsdp_fully_shard", "torch_fully_shard"]
     for config_impls in (impls_run, impls_run[:1]):  # torch's fully_shard skipped, not selected
-        config = {"impls": config_impls, "mixed_precision": None}
+        config = {"impls": config_impls, "mixed_precision": None, "reshard_after_forward": True}
         summary = summarize([_rank_results(reason), _rank_results(reason)], config)
         assert summary["reffsdp_fully_shard"]["ratio_to_torch_fully_shard"] is None
         assert (
