@@ -49,6 +49,12 @@ def parser() -> argparse.ArgumentParser:
         help="parameters in this dtype, gradients reduced in fp32",
     )
     p.add_argument(
+        "--no-reshard-after-forward",
+        dest="reshard_after_forward",
+        action="store_false",
+        help="keep parameters unsharded from forward to backward (FSDP: SHARD_GRAD_OP)",
+    )
+    p.add_argument(
         "--impl",
         nargs="+",
         choices=IMPLS,
@@ -100,6 +106,7 @@ def run_config(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
             backend=values["backend"],
             offload=values["offload"],
             mixed_precision=values["mixed_precision"],
+            reshard_after_forward=values["reshard_after_forward"],
         ),
         "impls": impls,
         "steps": values["steps"],
@@ -109,6 +116,7 @@ def run_config(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
         # for the report
         "world_size": values["world_size"],
         "mixed_precision": values["mixed_precision"],
+        "reshard_after_forward": values["reshard_after_forward"],
     }
 
 
@@ -138,6 +146,8 @@ def describe(config: dict[str, Any], meta: dict[str, Any]) -> str:
         extras.append(f"mixed precision {options.mixed_precision}")
     if options.offload:
         extras.append("CPU offload")
+    if not options.reshard_after_forward:
+        extras.append("no reshard after forward")
     return (
         f"{options.workload.kind} {options.workload.size} ({meta['params'] / 1e6:.1f}M params, "
         f"root {meta['root_params'] / 1e6:.2f}M), {options.backend}, {config['world_size']} "
@@ -185,6 +195,7 @@ def _config_json(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]
         "rounds": config["rounds"],
         "offload": options.offload,
         "mixed_precision": options.mixed_precision,
+        "reshard_after_forward": options.reshard_after_forward,
         "impls": config["impls"],
         "torch": torch.__version__,
         "python": sys.version.split()[0],

@@ -39,6 +39,7 @@ LABELS = {
     "local": "local (no comm)",
 }
 # Strategy per implementation, for the analytic bytes: "shard" (FULL_SHARD), "allreduce", None.
+# Without resharding after forward the four "shard" ones become "shard_grad_op" (strategy()).
 STRATEGY = {
     "reffsdp_fully_shard": "shard",
     "torch_fully_shard": "shard",
@@ -72,6 +73,15 @@ class Options:
     backend: str
     offload: bool
     mixed_precision: str | None  # "bf16", "fp16" or None
+    # False: parameters stay unsharded from forward to backward (SHARD_GRAD_OP).
+    reshard_after_forward: bool = True
+
+
+def strategy(name: str, reshard_after_forward: bool) -> str | None:
+    """``name``'s strategy for the analytic bytes (see :data:`STRATEGY`)."""
+    if STRATEGY[name] == "shard" and not reshard_after_forward:
+        return "shard_grad_op"
+    return STRATEGY[name]
 
 
 def _dtype(options: Options) -> torch.dtype | None:
@@ -124,6 +134,8 @@ def _fully_shard_kwargs(module, options: Options) -> dict:
         )
     if options.offload:
         kwargs["offload_policy"] = module.CPUOffloadPolicy()
+    if not options.reshard_after_forward:
+        kwargs["reshard_after_forward"] = False
     return kwargs
 
 
@@ -144,6 +156,8 @@ def _wrapper(module, wrap_module, model: nn.Module, options: Options, device_id)
         )
     if options.offload:
         kwargs["cpu_offload"] = module.CPUOffload(offload_params=True)
+    if not options.reshard_after_forward:
+        kwargs["sharding_strategy"] = module.ShardingStrategy.SHARD_GRAD_OP
     if device_id is not None:
         kwargs["device_id"] = device_id
     policy = wrap_module.ModuleWrapPolicy({options.workload.block_class})

@@ -10,6 +10,9 @@ root's Ψ_root staying unsharded between forward and backward (as both FSDPs do)
 * FULL_SHARD: ``(W - 1) / W * (Ψ b_p + (Ψ - Ψ_root) b_p + Ψ b_r)``: all-gather in
   forward, again in backward for all but the root, reduce-scatter of the gradients; b_p and
   b_r are the bytes per element of the parameter and reduce dtypes;
+* SHARD_GRAD_OP (``--no-reshard-after-forward``: every block, like the root, stays
+  unsharded from forward to backward): ``(W - 1) / W * (Ψ b_p + Ψ b_r)``: all-gather in
+  forward, reduce-scatter of the gradients;
 * DDP: ``2 (W - 1) / W * Ψ * 4`` (one fp32 all-reduce of the gradients);
 * local: 0.
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .impls import LABELS, STRATEGY, TORCH_FULLY_SHARD
+from .impls import LABELS, TORCH_FULLY_SHARD, strategy
 
 MB = 1e6
 _RING_FACTOR = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1}
@@ -58,6 +61,8 @@ def analytic_min_bytes(
         return share * (
             params * param_bytes + (params - root_params) * param_bytes + params * reduce_bytes
         )
+    if strategy == "shard_grad_op":
+        return share * (params * param_bytes + params * reduce_bytes)
     if strategy == "allreduce":
         return 2 * share * params * 4
     return 0.0
@@ -68,6 +73,7 @@ def summarize(ranks: list[dict], config: dict[str, Any]) -> dict[str, Any]:
     world_size = len(ranks)
     meta = ranks[0]["_meta"]
     param_bytes = 2 if config["mixed_precision"] else 4
+    reshard_after_forward = config["reshard_after_forward"]
     summary: dict[str, Any] = {}
     for name in config["impls"]:
         first = ranks[0][name]
@@ -91,7 +97,7 @@ def summarize(ranks: list[dict], config: dict[str, Any]) -> dict[str, Any]:
             if "reserved_peak" in first:
                 entry["reserved_peak_bytes"] = max(rank[name]["reserved_peak"] for rank in ranks)
         comm_bytes = first["comm_bytes"]
-        strategy = None if world_size == 1 else STRATEGY[name]
+        impl_strategy = None if world_size == 1 else strategy(name, reshard_after_forward)
         if name in ("ddp", "local"):
             impl_param_bytes = 4
         else:
@@ -102,7 +108,7 @@ def summarize(ranks: list[dict], config: dict[str, Any]) -> dict[str, Any]:
             "collectives_per_step": sum(first["comm_counts"].values()),
             "sent_bytes_per_rank": sent_per_rank(comm_bytes, world_size),
             "analytic_min_bytes": analytic_min_bytes(
-                strategy,
+                impl_strategy,
                 meta["params"],
                 meta["root_params"],
                 world_size,

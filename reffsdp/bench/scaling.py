@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .impls import IMPLS, LABELS, STRATEGY, Options, build, skip_reason
+from .impls import IMPLS, LABELS, Options, build, skip_reason, strategy
 from .launch import heap_counter_preloaded, run_single_process
 from .memory import HeapCounter, MemoryProbe
 from .models import Workload, param_counts
@@ -74,6 +74,7 @@ def run_scaling(args: argparse.Namespace) -> dict[str, Any]:
         "workload": Workload(args.model, args.size),
         "impls": list(FAKE_IMPLS),
         "world_sizes": list(FAKE_WORLD_SIZES),
+        "reshard_after_forward": args.reshard_after_forward,
     }
     with heap_counter_preloaded(True) as why:
         fake = run_single_process(run_fake_worlds, fake_config)
@@ -127,7 +128,15 @@ def run_fake_worlds(config: dict[str, Any]) -> dict[str, Any]:
     params, root_params, largest_block = param_counts(base)
     batch = workload.batch(0, device)
     loss_fn = workload.loss_fn()
-    fake = Options(workload, device, "fake", offload=False, mixed_precision=None)
+    fake = Options(
+        workload,
+        device,
+        "fake",
+        offload=False,
+        mixed_precision=None,
+        reshard_after_forward=config["reshard_after_forward"],
+    )
+    fake_strategy = strategy(config["impls"][0], fake.reshard_after_forward)
     skipped = {name: skip_reason(name, fake) for name in config["impls"]}
     names = [name for name, reason in skipped.items() if reason is None]
     rows = []
@@ -137,7 +146,9 @@ def run_fake_worlds(config: dict[str, Any]) -> dict[str, Any]:
             "world_size": world_size,
             "params": params,
             "padded_params": padded,
-            "analytic_min_bytes": analytic_min_bytes("shard", params, root_params, world_size),
+            "analytic_min_bytes": analytic_min_bytes(
+                fake_strategy, params, root_params, world_size
+            ),
             "analytic_kept_bytes": 12 * padded / world_size,
             "results": {},
         }
@@ -174,7 +185,7 @@ def run_fake_worlds(config: dict[str, Any]) -> dict[str, Any]:
         "params": params,
         "root_params": root_params,
         "largest_block_params": largest_block,
-        "strategy": STRATEGY[config["impls"][0]],
+        "strategy": fake_strategy,
         "rows": rows,
         "skipped": {name: reason for name, reason in skipped.items() if reason is not None},
     }
@@ -201,7 +212,11 @@ def _print_fake(fake: dict[str, Any]) -> None:
                 f"{(kept or 0) / MB:7.2f}  {(peak or 0) / MB:8.1f}"
             )
         print(line)
+    if fake["strategy"] == "shard_grad_op":
+        formula = "2Ψ(W-1)/W (no reshard after forward)"
+    else:
+        formula = "3Ψ(W-1)/W less the root's backward all-gather"
     print(
-        "   min: analytic bytes one rank sends per step, 3Ψ(W-1)/W less the root's backward "
-        "all-gather; 12Ψpad/W: fp32 shard + 2 AdamW states per rank."
+        f"   min: analytic bytes one rank sends per step, {formula}; "
+        "12Ψpad/W: fp32 shard + 2 AdamW states per rank."
     )

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from reffsdp.bench import impls
-from reffsdp.bench.impls import Options, Skip, build, skip_reason
+from reffsdp.bench.impls import Options, Skip, build, skip_reason, strategy
 from reffsdp.bench.models import Workload
 from reffsdp.bench.report import analytic_min_bytes, format_table, sent_per_rank, summarize
 
@@ -61,6 +61,40 @@ def test_bench_command_writes_every_field(tmp_path):
     assert "heap" in document["memory"]
 
 
+@pytest.mark.timeout(120)
+def test_bench_without_resharding_after_forward_sends_one_all_gather(tmp_path):
+    """``--no-reshard-after-forward`` reaches every FSDP builder: each sends the
+    SHARD_GRAD_OP minimum (forward all-gather, reduce-scatter), less than FULL_SHARD's."""
+    out = tmp_path / "bench.json"
+    impls = ["reffsdp_fully_shard", "torch_fully_shard", "reffsdp_fsdp"]
+    command = [sys.executable, "-m", "reffsdp.bench", "--model", "mlp", "--size", "tiny"]
+    command += ["--steps", "1", "--rounds", "1", "--json", str(out), "--impl", *impls]
+    command += ["--no-reshard-after-forward"]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=110,
+        env={"REFFSDP_BENCH_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no reshard after forward" in result.stdout
+
+    document = json.loads(out.read_text())
+    config = document["config"]
+    assert config["reshard_after_forward"] is False
+    assert config["impls"] == impls
+    sizes = (config["params"], config["root_params"], config["world_size"])
+    minimum = analytic_min_bytes("shard_grad_op", *sizes)
+    resharding = analytic_min_bytes("shard", *sizes)
+    for name in impls:
+        comm = document["results"][name]["comm"]
+        assert comm["analytic_min_bytes"] == minimum, name
+        assert minimum <= comm["sent_bytes_per_rank"] <= 1.1 * minimum, (name, comm)
+        assert comm["sent_bytes_per_rank"] < resharding, (name, comm)
+
+
 def test_runs_torch_cannot_do_are_skipped_with_the_reason():
     cpu = Options(Workload("mlp", "tiny"), torch.device("cpu"), "gloo", True, None)
     assert "offload" in skip_reason("torch_fsdp", cpu)
@@ -97,7 +131,7 @@ def test_without_the_reference_module_torch_is_skipped_and_the_ratio_is_empty(mo
     reason = skip_reason("torch_fully_shard", options)
     impls_run = ["reffsdp_fully_shard", "torch_fully_shard"]
     for config_impls in (impls_run, impls_run[:1]):  # torch's fully_shard skipped, not selected
-        config = {"impls": config_impls, "mixed_precision": None}
+        config = {"impls": config_impls, "mixed_precision": None, "reshard_after_forward": True}
         summary = summarize([_rank_results(reason), _rank_results(reason)], config)
         assert summary["reffsdp_fully_shard"]["ratio_to_torch_fully_shard"] is None
         assert (
@@ -117,3 +151,14 @@ def test_analytic_bytes():
     assert analytic_min_bytes("allreduce", 100, 10, 4) == 2 * 0.75 * 400
     assert analytic_min_bytes(None, 100, 10, 4) == 0
     assert sent_per_rank({"all_gather": 400, "all_reduce": 400, "barrier": 0}, 4) == 900
+
+
+def test_analytic_bytes_without_resharding_after_forward():
+    # SHARD_GRAD_OP: one all-gather in forward, none in backward, reduce-scatter.
+    assert analytic_min_bytes("shard_grad_op", 100, 10, 4) == 0.75 * (400 + 400)
+    assert analytic_min_bytes("shard_grad_op", 100, 10, 4, param_bytes=2) == 0.75 * (200 + 400)
+    for name in ("reffsdp_fully_shard", "torch_fully_shard", "reffsdp_fsdp", "torch_fsdp"):
+        assert strategy(name, reshard_after_forward=False) == "shard_grad_op"
+        assert strategy(name, reshard_after_forward=True) == "shard"
+    assert strategy("ddp", reshard_after_forward=False) == "allreduce"
+    assert strategy("local", reshard_after_forward=False) is None
