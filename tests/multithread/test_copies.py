@@ -140,22 +140,24 @@ class PackedShardsTest(FSDPTestMultiThread):
     def _shard_storages(self, model: nn.Module) -> set[int]:
         return {_storage(p.to_local()) for p in model.parameters()}
 
-    def test_all_gather_reads_the_packed_shards(self):
+    def _sharded_and_run(self, **kwargs) -> nn.Module:
+        """An MLP (four parameters, one group) sharded, run once (lazy init packs the
+        shards) and resharded."""
         torch.manual_seed(0)
-        model = MLP(4, dim_multiplier=2)  # four parameters, one group
-        fully_shard(model)
-        model(torch.randn(2, 4))  # lazy init packs the shards
+        model = MLP(4, dim_multiplier=2)
+        fully_shard(model, **kwargs)
+        model(torch.randn(2, 4))
         model.reshard()
+        return model
+
+    def test_all_gather_reads_the_packed_shards(self):
+        model = self._sharded_and_run()
         shards = self._shard_storages(model)
         self.assertEqual(len(shards), 1)
         self.assertEqual(self._gathered_from(model), list(shards))
 
     def test_assign_load_repacks(self):
-        torch.manual_seed(0)
-        model = MLP(4, dim_multiplier=2)
-        fully_shard(model)
-        model(torch.randn(2, 4))
-        model.reshard()
+        model = self._sharded_and_run()
         loaded = {name: value.detach().clone() for name, value in model.state_dict().items()}
         model.load_state_dict(loaded, assign=True)
         shards = self._shard_storages(model)
@@ -163,10 +165,6 @@ class PackedShardsTest(FSDPTestMultiThread):
         self.assertEqual(self._gathered_from(model), list(shards))
 
     def test_a_cast_is_copied_in(self):
-        torch.manual_seed(0)
-        model = MLP(4, dim_multiplier=2)
-        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        model(torch.randn(2, 4))
-        model.reshard()
+        model = self._sharded_and_run(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         (gathered,) = self._gathered_from(model)
         self.assertNotIn(gathered, self._shard_storages(model))

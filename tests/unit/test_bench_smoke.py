@@ -19,12 +19,11 @@ from reffsdp.bench.report import analytic_min_bytes, format_table, sent_per_rank
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(120)
-def test_bench_command_writes_every_field(tmp_path):
+def _run_bench(tmp_path, impls: list[str], *options: str) -> tuple[str, dict]:
+    """Run the command on the tiny MLP from the repository root; (stdout, JSON document)."""
     out = tmp_path / "bench.json"
-    impls = ["reffsdp_fully_shard", "torch_fully_shard", "ddp", "local"]
     command = [sys.executable, "-m", "reffsdp.bench", "--model", "mlp", "--size", "tiny"]
-    command += ["--steps", "1", "--rounds", "2", "--json", str(out), "--impl", *impls]
+    command += ["--steps", "1", "--json", str(out), "--impl", *impls, *options]
     result = subprocess.run(
         command,
         capture_output=True,
@@ -34,9 +33,15 @@ def test_bench_command_writes_every_field(tmp_path):
         env={"REFFSDP_BENCH_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "reffsdp fully_shard" in result.stdout
+    return result.stdout, json.loads(out.read_text())
 
-    document = json.loads(out.read_text())
+
+@pytest.mark.timeout(120)
+def test_bench_command_writes_every_field(tmp_path):
+    impls = ["reffsdp_fully_shard", "torch_fully_shard", "ddp", "local"]
+    stdout, document = _run_bench(tmp_path, impls, "--rounds", "2")
+    assert "reffsdp fully_shard" in stdout
+
     config = document["config"]
     assert (config["model"], config["size"], config["world_size"]) == ("mlp", "tiny", 2)
     assert config["impls"] == impls
@@ -65,23 +70,10 @@ def test_bench_command_writes_every_field(tmp_path):
 def test_bench_without_resharding_after_forward_sends_one_all_gather(tmp_path):
     """``--no-reshard-after-forward`` reaches every FSDP builder: each sends the
     SHARD_GRAD_OP minimum (forward all-gather, reduce-scatter), less than FULL_SHARD's."""
-    out = tmp_path / "bench.json"
     impls = ["reffsdp_fully_shard", "torch_fully_shard", "reffsdp_fsdp"]
-    command = [sys.executable, "-m", "reffsdp.bench", "--model", "mlp", "--size", "tiny"]
-    command += ["--steps", "1", "--rounds", "1", "--json", str(out), "--impl", *impls]
-    command += ["--no-reshard-after-forward"]
-    result = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=110,
-        env={"REFFSDP_BENCH_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "no reshard after forward" in result.stdout
+    stdout, document = _run_bench(tmp_path, impls, "--rounds", "1", "--no-reshard-after-forward")
+    assert "no reshard after forward" in stdout
 
-    document = json.loads(out.read_text())
     config = document["config"]
     assert config["reshard_after_forward"] is False
     assert config["impls"] == impls
