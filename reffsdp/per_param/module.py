@@ -211,7 +211,11 @@ class FSDPModule:
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
     ) -> None:
-        """Bound how many reduce-scatters may be in flight (each keeps its input alive)."""
+        """Bound how many reduce-scatters may be in flight (each keeps its input alive).
+
+        Without a bound set, one may be in flight on an accelerator and none on CPU (see
+        [Note: bounded in-flight reductions] in ``reffsdp/core/runtime.py``).
+        """
         if not isinstance(max_input_buffers, int) or isinstance(max_input_buffers, bool):
             raise TypeError(f"max_input_buffers must be an int, got {max_input_buffers!r}")
         if max_input_buffers < 1:
