@@ -87,6 +87,13 @@ def summarize(ranks: list[dict], config: dict[str, Any]) -> dict[str, Any]:
         step_s = [max(rank[name]["step_s"][i] for rank in ranks) for i in timed]
         entry["step_ms"] = {k: v * 1e3 for k, v in quartiles(step_s).items()}
         entry["steps_timed"] = len(step_s)
+        # CPU time is work, not waiting on the slowest rank: the mean over the ranks'
+        # processes. None where ranks took none (threads of one process).
+        cpu_median = None
+        if all("cpu_s" in rank[name] for rank in ranks):
+            cpu_s = [statistics.fmean(rank[name]["cpu_s"][i] for rank in ranks) for i in timed]
+            cpu_median = statistics.median(cpu_s) * 1e3
+        entry["cpu_ms"] = {"median": cpu_median}
         if meta["memory_measured"]:
             peaks = [
                 max(rank[name]["peak_above_start"][i] for rank in ranks) for i in range(len(step_s))
@@ -117,10 +124,14 @@ def summarize(ranks: list[dict], config: dict[str, Any]) -> dict[str, Any]:
         }
     # None (null in the JSON, "-" in the table) when torch's fully_shard was skipped or not run.
     reference = summary.get(TORCH_FULLY_SHARD, {}).get("step_ms", {}).get("median")
+    cpu_reference = summary.get(TORCH_FULLY_SHARD, {}).get("cpu_ms", {}).get("median")
     for entry in summary.values():
         if "step_ms" in entry:
             ratio = entry["step_ms"]["median"] / reference if reference else None
             entry["ratio_to_torch_fully_shard"] = ratio
+            cpu = entry["cpu_ms"]
+            cpu_ratio = cpu["median"] / cpu_reference if cpu["median"] and cpu_reference else None
+            cpu["ratio_to_torch_fully_shard"] = cpu_ratio
     return summary
 
 
@@ -132,7 +143,7 @@ def format_table(summary: dict[str, Any], memory_note: str) -> str:
     """The per-implementation table printed after a run."""
     header = (
         f"{'implementation':<20} {'median ms':>9} {'IQR ms':>15} {'vs torch fs':>11} "
-        f"{'kept MB':>8} {'peak+ MB':>8} {'sent MB':>8} {'min MB':>8} {'colls':>5}"
+        f"{'cpu ms':>8} {'kept MB':>8} {'peak+ MB':>8} {'sent MB':>8} {'min MB':>8} {'colls':>5}"
     )
     lines = [header, "-" * len(header)]
     for entry in summary.values():
@@ -141,11 +152,13 @@ def format_table(summary: dict[str, Any], memory_note: str) -> str:
             continue
         ms = entry["step_ms"]
         ratio = entry.get("ratio_to_torch_fully_shard")
+        cpu_ms = entry["cpu_ms"]["median"]
         comm = entry["comm"]
         line = (
             f"{entry['label']:<20} {ms['median']:9.1f} "
             f"{ms['q1']:7.1f}-{ms['q3']:<7.1f} "
             f"{(f'{ratio:.3f}' if ratio else '-'):>11} "
+            f"{('-' if cpu_ms is None else f'{cpu_ms:.1f}'):>8} "
             f"{_mb(entry.get('kept_between_steps_bytes')):>8} "
             f"{_mb(entry.get('peak_above_step_start_bytes')):>8} "
             f"{_mb(comm['sent_bytes_per_rank']):>8} {_mb(comm['analytic_min_bytes']):>8} "
@@ -157,6 +170,9 @@ def format_table(summary: dict[str, Any], memory_note: str) -> str:
     lines.append(
         "median/IQR: step time over all timed steps (slowest rank per step); vs torch fs: "
         "median / torch fully_shard's median;"
+    )
+    lines.append(
+        "cpu: median CPU time of a rank's process (all its threads) per step, mean over ranks;"
     )
     lines.append(
         "kept: bytes per rank held between steps (after build and warm-up, less before the "

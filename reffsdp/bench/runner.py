@@ -8,8 +8,10 @@ interleaved rounds, then count their bytes and the memory each keeps.
    it held before the build: parameters, shards, optimizer state, and buffers the
    implementation caches between steps.
 2. ``rounds`` rounds; each runs every implementation for ``steps`` steps, starting with a
-   different one every round, after a barrier. Per step: wall time (CUDA synchronized) and
-   the memory peak above the bytes live at the step's start (the peak is reset there).
+   different one every round, after a barrier. Per step: wall time (CUDA synchronized), the
+   CPU time of the rank's process (every thread: the compute thread and the backend's
+   workers; not taken with the threaded backend, whose ranks share one process) and the
+   memory peak above the bytes live at the step's start (the peak is reset there).
 3. One more step per implementation under a collective counter (its dispatch-mode overhead
    never reaches a timed step): collectives and their bytes per step.
 4. With a profile directory: one more round under ``torch.profiler``.
@@ -89,6 +91,8 @@ def run_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, An
         )
     device = options.device
     probe = MemoryProbe(device, None if config["threads_share_heap"] else HeapCounter.load())
+    # Threaded ranks share one process: its CPU time is not any one rank's.
+    times_cpu = not config["threads_share_heap"]
     base = options.workload.build(device)
     total, root, largest_block = param_counts(base)
     batch = options.workload.batch(rank, device)
@@ -117,6 +121,8 @@ def run_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, An
         gc.collect()
         entry["kept"] = probe.current() - before
         entry.update(step_s=[], peak_above_start=[], live_at_start=[])
+        if times_cpu:
+            entry["cpu_s"] = []
     del base
 
     names = list(steps)
@@ -127,10 +133,12 @@ def run_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, An
             dist.barrier()
             for _ in range(config["steps"]):
                 start_bytes = probe.start_step()
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 steps[name]()
                 _sync(device)
                 entry["step_s"].append(time.perf_counter() - start)
+                if times_cpu:
+                    entry["cpu_s"].append(time.process_time() - start_cpu)
                 entry["peak_above_start"].append(probe.peak() - start_bytes)
                 entry["live_at_start"].append(start_bytes)
                 reserved = probe.reserved_peak()

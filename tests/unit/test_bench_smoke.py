@@ -51,10 +51,14 @@ def test_bench_command_writes_every_field(tmp_path):
         assert entry["steps_timed"] == 2
         assert 0 < entry["step_ms"]["min"] <= entry["step_ms"]["median"] <= entry["step_ms"]["max"]
         assert entry["ratio_to_torch_fully_shard"] > 0
+        assert entry["cpu_ms"]["median"] > 0
+        assert entry["cpu_ms"]["ratio_to_torch_fully_shard"] > 0
         assert entry["kept_between_steps_bytes"] > 0
         assert entry["peak_above_step_start_bytes"] > 0
         assert entry["comm"]["sent_bytes_per_rank"] >= entry["comm"]["analytic_min_bytes"]
     assert results["torch_fully_shard"]["ratio_to_torch_fully_shard"] == 1.0
+    assert results["torch_fully_shard"]["cpu_ms"]["ratio_to_torch_fully_shard"] == 1.0
+    assert "cpu ms" in stdout
     assert results["local"]["comm"]["collectives_per_step"] == 0
     # Sharded implementations send the analytic FULL_SHARD bytes, give or take padding.
     for name in ("reffsdp_fully_shard", "torch_fully_shard"):
@@ -135,6 +139,49 @@ def test_without_the_reference_module_torch_is_skipped_and_the_ratio_is_empty(mo
         assert ours.split()[2:5] == ["20.0", "15.0-25.0", "-"], ours
         if "torch_fully_shard" in config_impls:
             assert f"torch fully_shard    skipped: {reason}" in lines
+
+
+def test_cpu_time_is_the_median_step_of_the_mean_over_ranks():
+    """Per step the mean of the ranks' process CPU times, then the median over steps; the
+    ratio to torch's fully_shard. Threaded ranks record none: None in the summary, "-"."""
+
+    def rank(cpu_ours: list[float] | None, cpu_torch: list[float] | None) -> dict:
+        results = {"_meta": {"memory_measured": False, "params": 10, "root_params": 2}}
+        for name, cpu_s in (("reffsdp_fully_shard", cpu_ours), ("torch_fully_shard", cpu_torch)):
+            entry = {"notes": [], "step_s": [0.05, 0.05, 0.05], "comm_bytes": {}, "comm_counts": {}}
+            if cpu_s is not None:
+                entry["cpu_s"] = cpu_s
+            results[name] = entry
+        return results
+
+    config = {
+        "impls": ["reffsdp_fully_shard", "torch_fully_shard"],
+        "mixed_precision": None,
+        "reshard_after_forward": True,
+    }
+    # Per-step means: ours 0.02, 0.01, 0.03 (median 20 ms); torch's 0.04, 0.05, 0.03 (40 ms).
+    ranks = [
+        rank([0.01, 0.02, 0.02], [0.04, 0.06, 0.02]),
+        rank([0.03, 0.0, 0.04], [0.04, 0.04, 0.04]),
+    ]
+    summary = summarize(ranks, config)
+    ours = summary["reffsdp_fully_shard"]["cpu_ms"]
+    torch_fs = summary["torch_fully_shard"]["cpu_ms"]
+    assert ours["median"] == pytest.approx(20.0)
+    assert torch_fs["median"] == pytest.approx(40.0)
+    assert ours["ratio_to_torch_fully_shard"] == pytest.approx(0.5)
+    assert torch_fs["ratio_to_torch_fully_shard"] == 1.0
+    lines = format_table(summary, "").splitlines()
+    assert "vs torch fs   cpu ms  kept MB" in lines[0], lines[0]
+    row = next(line for line in lines if line.startswith("reffsdp fully_shard"))
+    assert row.split()[5] == "20.0", row
+    assert any(line.startswith("cpu: ") and "mean over ranks" in line for line in lines)
+
+    threaded = summarize([rank(None, None), rank(None, None)], config)
+    for name in config["impls"]:
+        assert threaded[name]["cpu_ms"] == {"median": None, "ratio_to_torch_fully_shard": None}
+    row = next(line for line in format_table(threaded, "").splitlines() if "reffsdp" in line)
+    assert row.split()[5] == "-", row
 
 
 def test_analytic_bytes():
