@@ -15,10 +15,6 @@ Two ranks, params ``a`` (3 rows) and ``b`` (2 rows), one element per row::
     reduce-scatter input, row 0: [a0 a1 | b0]      row 1: [a2 pad | b1]
     rank 0 receives sum of row 0 -> grad shards a[0:2], b[0:1]
 
-When the inputs already lie end to end in one buffer (``fully_shard`` packs its groups'
-shards so, see [Note: packed shards] in ``per_param/sharded_param``), that buffer is the
-all-gather input and there is no copy-in.
-
 A group of one member (a wrapper instance's flat parameter, or a lone parameter) needs
 neither copy: its shard is the whole of row r, so the group may pass the member's own
 output buffer as ``output`` and the collective gathers the shard straight into it. Its
@@ -119,29 +115,12 @@ def foreach_all_gather(
     comm = comm or comms.DefaultAllGather()
     output = comm.allocate((total * world_size,), dtype=inputs[0].dtype, device=inputs[0].device)
     my_slice = output.narrow(0, total * rank, total)
-    packed = packed_view(inputs)
-    if packed is None or world_size == 1:
-        with phase("copy-in"):
-            torch._foreach_copy_(list(my_slice.split(numels)), inputs)
-        packed = my_slice
+    with phase("copy-in"):
+        torch._foreach_copy_(list(my_slice.split(numels)), inputs)
     work = None
     if world_size > 1:
-        work = comm(output, packed, group, async_op=async_op)
+        work = comm(output, my_slice, group, async_op=async_op)
     return AllGatherResult(output, numels, world_size, work if async_op else None)
-
-
-def packed_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """One 1-D tensor covering ``tensors`` if they are contiguous and lie end to end in one
-    storage, in order; else ``None``."""
-    first = tensors[0]
-    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
-    for tensor in tensors:
-        if tensor.untyped_storage().data_ptr() != storage or tensor.storage_offset() != offset:
-            return None
-        if tensor.dtype != first.dtype or not tensor.is_contiguous():
-            return None
-        offset += tensor.numel()
-    return first.as_strided((offset - first.storage_offset(),), (1,))
 
 
 def foreach_all_gather_copy_out(result: AllGatherResult, members: list[GroupMember]) -> None:

@@ -18,7 +18,6 @@ import torch.nn as nn
 from ..core import comms
 from ..core.param_group import ParamGroup
 from ..core.runtime import CommContext
-from .sharded_param import pack_shards
 from .state import FSDPState, state_of
 
 
@@ -109,7 +108,6 @@ class FSDPModule:
         for group in self._groups():
             for param in group.members:
                 param.reset_sharded_param()
-            pack_shards(group.members)
         return result
 
     # -- gradient synchronization -------------------------------------------------------

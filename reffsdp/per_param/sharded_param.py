@@ -7,6 +7,10 @@ For each original parameter we keep:
 * ``padded_shard`` (1D, ``layout.padded_shard_numel``): this rank's rows, zero-padded so all
   ranks contribute equally to collectives. The sharded parameter's local tensor is a view
   of its first ``local_shard_numel`` elements, so optimizer steps write straight into it.
+  Each parameter owns this storage, its local tensor at offset 0: packing a group's shards
+  end to end in one buffer would save the all-gather's copy-in, but a DTensor whose local
+  tensor starts inside a larger storage cannot be deep-copied (``copy.deepcopy`` of a
+  state dict fails in torch 2.13).
 * ``sharded_param``: an ``nn.Parameter`` wrapping a ``DTensor`` with the original global
   size. This is what ``module.parameters()`` and ``state_dict()`` show between iterations.
 * ``gathered`` (1D, ``world_size * padded_shard_numel``, compute dtype): the all-gather's
@@ -20,17 +24,6 @@ For each original parameter we keep:
 
 Writes into ``gathered`` go through ``.data``: that alias has its own version counter, so
 re-gathering in backward does not make autograd reject tensors it saved in forward.
-
-[Note: packed shards]
-At lazy init (and after anything re-pads a shard) the padded shards of one group's
-parameters are moved into one buffer, end to end in group order (:func:`pack_shards`).
-Each shard stays a view the optimizer updates in place, and the group's all-gather input
-is then already laid out: the core sees consecutive views of one storage and all-gathers
-from it with no copy-in (see [Note: one collective per group]). Anything that gives a
-parameter a new shard (``.to(dtype)``, ``load_state_dict(assign=True)``) unpacks it, and
-the group falls back to copying in until the next packing. Only groups whose shards share
-dtype and device and stay on the compute device are packed: a cast or a host-to-device
-copy makes a new all-gather input anyway.
 """
 
 from __future__ import annotations
@@ -46,7 +39,6 @@ from torch.distributed.tensor import DTensor
 # cheap way to wrap a gradient (see ``ShardedParam._to_dtensor``).
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ..core.collectives import packed_view
 from ..core.member import GroupMember, resolve_dtypes, with_storage
 from ..core.mesh import MeshInfo
 from ..core.sharding import ShardLayout, contiguous_strides, shard_tensor, unshard_from_gathered
@@ -212,11 +204,6 @@ class ShardedParam(GroupMember):
         self.gathered = None
         self.unsharded_param = None
         self._unsharded_data = None
-
-    def adopt_padded_shard(self, padded: torch.Tensor) -> None:
-        """Use ``padded`` (same values, e.g. a slice of a packed buffer) as the shard."""
-        self.padded_shard = padded
-        _set_local_tensor(self.sharded_param, self._local_view())
 
     # [Note: replaced parameters]
     # A user may register a new parameter under a sharded one's name between fully_shard and
@@ -520,21 +507,6 @@ class ShardedParam(GroupMember):
         if self.unsharded_param is not None:
             self.unsharded_param.grad = None
         self.unsharded_accumulated_grad = None
-
-
-def pack_shards(params: list[ShardedParam]) -> None:
-    """Move the padded shards of ``params`` end to end into one buffer (see
-    [Note: packed shards]); a no-op unless every shard can live there."""
-    if len(params) < 2 or any(p.offload or not p.is_materialized for p in params):
-        return
-    shards = [p.padded_shard for p in params]
-    if len({(t.dtype, t.device) for t in shards}) > 1 or shards[0].device != params[0].device:
-        return
-    if packed_view(shards) is not None:
-        return
-    packed = torch.cat(shards)
-    for param, view in zip(params, packed.split([t.numel() for t in shards])):
-        param.adopt_padded_shard(view)
 
 
 def _check_shardable(param: torch.Tensor, shard_dim: int, shard_size: int, name: str) -> None:

@@ -56,7 +56,6 @@ from ..core.param_group import ParamGroup, end_backward
 from ..core.runtime import CommContext
 from ..core.states import TrainingState
 from .api import MixedPrecisionPolicy
-from .sharded_param import pack_shards
 
 _STATE_KEY = "_reffsdp_fully_shard_state"
 
@@ -151,7 +150,6 @@ class FSDPState:
         for state in states:
             if state.group is not None:
                 state.group.lazy_init()
-                pack_shards(state.group.members)
 
     def use_comm_ctx(self, comm: CommContext) -> None:
         """Make ``comm`` this root's communication context and bind its groups to it."""
@@ -278,7 +276,6 @@ class FSDPState:
         if self.group is not None:
             for param in self.group.members:
                 param.reset_sharded_param()
-            pack_shards(self.group.members)
 
     # -- backward hooks -----------------------------------------------------------------
 

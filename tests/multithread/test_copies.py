@@ -6,7 +6,6 @@
 * The wrapper shows the original parameters as pieces of one ``split`` of the unsharded flat
   parameter, so backward builds the flat gradient in one node.
 * A group of one member whose gradient needs no padding reduce-scatters that gradient itself.
-* fully_shard keeps a group's shards end to end in one buffer and all-gathers from it.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from reffsdp import FullyShardedDataParallel, MixedPrecisionPolicy, ShardingStrategy, fully_shard
+from reffsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
 from reffsdp.testing.build import wrap_blocks
 from reffsdp.testing.models import MLP, MLPBlocks
 from reffsdp.testing.multithread import FSDPTestMultiThread
@@ -122,49 +121,3 @@ class OneMemberReduceScatterTest(FSDPTestMultiThread):
 def _unsharded(model: nn.Module) -> torch.Tensor:
     (member,) = model._get_fsdp_state().group.members
     return member.unsharded_param
-
-
-class PackedShardsTest(FSDPTestMultiThread):
-    """fully_shard keeps a group's shards end to end and all-gathers from them directly."""
-
-    world_size = 2
-
-    def _gathered_from(self, model: nn.Module) -> list[int]:
-        """The storages the all-gathers of one forward read from."""
-        inputs: list[int] = []
-        with observe_all_gathers(lambda output, input, group: inputs.append(_storage(input))):
-            model(torch.randn(2, 4))
-        model.reshard()  # the root stays unsharded after forward
-        return inputs
-
-    def _shard_storages(self, model: nn.Module) -> set[int]:
-        return {_storage(p.to_local()) for p in model.parameters()}
-
-    def _sharded_and_run(self, **kwargs) -> nn.Module:
-        """An MLP (four parameters, one group) sharded, run once (lazy init packs the
-        shards) and resharded."""
-        torch.manual_seed(0)
-        model = MLP(4, dim_multiplier=2)
-        fully_shard(model, **kwargs)
-        model(torch.randn(2, 4))
-        model.reshard()
-        return model
-
-    def test_all_gather_reads_the_packed_shards(self):
-        model = self._sharded_and_run()
-        shards = self._shard_storages(model)
-        self.assertEqual(len(shards), 1)
-        self.assertEqual(self._gathered_from(model), list(shards))
-
-    def test_assign_load_repacks(self):
-        model = self._sharded_and_run()
-        loaded = {name: value.detach().clone() for name, value in model.state_dict().items()}
-        model.load_state_dict(loaded, assign=True)
-        shards = self._shard_storages(model)
-        self.assertEqual(len(shards), 1)
-        self.assertEqual(self._gathered_from(model), list(shards))
-
-    def test_a_cast_is_copied_in(self):
-        model = self._sharded_and_run(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        (gathered,) = self._gathered_from(model)
-        self.assertNotIn(gathered, self._shard_storages(model))
