@@ -6,8 +6,9 @@ Reduce-scatters are issued asynchronously so communication overlaps the rest of 
 input buffer alive, so we bound how many are pending: before a group allocates the input
 of a new one, it completes the oldest until fewer than its ``max_pending_reduces`` setting
 remain. Completing before allocating (not after issuing) is what keeps the bound a bound
-on memory: with the default of 1, the previous group's input is freed before the next
-input exists, and its reduction still overlapped the backward compute in between.
+on memory: with a bound of 1 (the default on an accelerator), the previous group's input
+is freed before the next input exists, and its reduction still overlapped the backward
+compute in between.
 Whatever is still pending when backward ends is completed in the final callback, before
 anyone reads a gradient.
 
