@@ -139,8 +139,12 @@ class ParamGroup:
 
     # -- unshard / reshard --------------------------------------------------------------
 
-    def unshard(self) -> None:
-        """Start the group's all-gather unless it is unsharded or already gathering."""
+    def unshard(self, *, async_op: bool = False) -> None:
+        """Start the group's all-gather unless it is unsharded or already gathering.
+
+        On CPU the collective completes before this returns unless ``async_op`` is set (see
+        [Note: collectives on CPU] in ``streams``); on an accelerator the host never waits.
+        """
         if self._all_gather is not None or self.is_unsharded:
             return
         self.lazy_init()
@@ -167,6 +171,8 @@ class ParamGroup:
                 output=self._member_output_to_gather_into(stream.on_compute_stream(current)),
             )
             self._all_gather.event = stream.record()
+        if self.device.type == "cpu" and not async_op:
+            self._all_gather.wait()
 
     def _member_output_to_gather_into(self, on_compute_stream: bool) -> torch.Tensor | None:
         """The one member's output buffer, to all-gather into without copies, or ``None``.

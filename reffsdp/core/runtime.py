@@ -12,12 +12,9 @@ compute in between.
 Whatever is still pending when backward ends is completed in the final callback, before
 anyone reads a gradient.
 
-On CPU the default bound is 0: each reduction completes as soon as it is issued. gloo's
-reduce-scatter copies its whole input when issued and frees the copy only when waited on,
-so an overlapped reduction keeps a block-sized copy alive through the next block's backward,
-the step's memory peak; and with the cores busy computing, its overlap saves little time
-(measured with ``python -m reffsdp.bench``: the peak 112 -> 98 MB for 0.7% longer steps).
-A user's explicit bound (``set_reduce_scatter_max_input_buffers``) applies on CPU too.
+On CPU the default bound is 0: each reduction completes as soon as it is issued (see
+[Note: collectives on CPU] in ``streams``). A user's explicit bound
+(``set_reduce_scatter_max_input_buffers``) applies on CPU too.
 
 One :class:`CommContext` serves every group under a root: the front end's root creates it
 once and binds each group to it (``ParamGroup.bind``).

@@ -84,7 +84,7 @@ class FSDPModule:
             group.lazy_init()
             # Called outside forward: parameters may have just been updated.
             group.comm_ctx.all_gather_stream(group.device).wait_for_compute()
-            group.unshard()
+            group.unshard(async_op=async_op)
         handle = _GroupUnshardHandle(groups)
         if async_op:
             return handle

@@ -206,6 +206,21 @@ class TestOffloadAndComms(FSDPTestMultiThread):
         model.set_reduce_scatter_max_input_buffers(1)
         self.assertIn(1, self._pending_at_backward_all_gathers(model))
 
+    def test_all_gathers_complete_when_issued_on_cpu(self):
+        """On CPU an all-gather (forward, backward or prefetch) has completed when the
+        unshard that issued it returns; an explicit async unshard leaves it in flight."""
+        _, model = self._ref_and_model()
+        model(make_inputs(0, self.rank)).sum().backward()  # lazy init
+        group = model.layers[1]._get_fsdp_state().group
+        group.unshard()
+        self.assertIsNone(group._all_gather.work)
+        group.wait_for_unshard()
+        group.reshard()
+        group.unshard(async_op=True)
+        self.assertIsNotNone(group._all_gather.work)
+        group.wait_for_unshard()
+        group.reshard()
+
     def _pending_at_backward_all_gathers(self, model) -> set[int]:
         """Reductions issued but not yet written, seen at each all-gather of a backward."""
         model.zero_grad()
