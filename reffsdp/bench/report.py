@@ -127,12 +127,14 @@ def summarize(ranks: list[dict], config: dict[str, Any]) -> dict[str, Any]:
     cpu_reference = summary.get(TORCH_FULLY_SHARD, {}).get("cpu_ms", {}).get("median")
     for entry in summary.values():
         if "step_ms" in entry:
-            ratio = entry["step_ms"]["median"] / reference if reference else None
-            entry["ratio_to_torch_fully_shard"] = ratio
+            entry["ratio_to_torch_fully_shard"] = _ratio(entry["step_ms"]["median"], reference)
             cpu = entry["cpu_ms"]
-            cpu_ratio = cpu["median"] / cpu_reference if cpu["median"] and cpu_reference else None
-            cpu["ratio_to_torch_fully_shard"] = cpu_ratio
+            cpu["ratio_to_torch_fully_shard"] = _ratio(cpu["median"], cpu_reference)
     return summary
+
+
+def _ratio(value: float | None, reference: float | None) -> float | None:
+    return value / reference if value and reference else None
 
 
 def _mb(value: float | None) -> str:

@@ -51,15 +51,16 @@ class CommContext:
 
     def make_room_for_reduce(self, max_pending: int) -> None:
         """Before a new reduction allocates: complete the oldest until fewer than
-        ``max_pending`` remain (see [Note: bounded in-flight reductions])."""
-        while self.pending_reduces and len(self.pending_reduces) >= max_pending:
+        ``max_pending`` (at least one) remain (see [Note: bounded in-flight reductions])."""
+        while len(self.pending_reduces) >= max(max_pending, 1):
             self._complete_oldest()
 
     def add_pending_reduce(self, pending: PendingReduce, max_pending: int = 1) -> None:
-        """Track an issued reduction; with a bound of 0, complete it at once."""
+        """Track an issued reduction, completing the oldest while more than ``max_pending``
+        are in flight (with a bound of 0: this one, at once)."""
         self.pending_reduces.append(pending)
-        if max_pending == 0:
-            self.make_room_for_reduce(max_pending)
+        while len(self.pending_reduces) > max_pending:
+            self._complete_oldest()
 
     def complete_reduces(self) -> None:
         """End of backward: every gradient written, and (CPU offload) landed on the host."""
