@@ -18,6 +18,10 @@ Caveats of ranks that share one process
   class, so attributes set in ``setUp`` (which runs on the main thread) are not there; use
   ``perThreadSetUp``/``perThreadTearDown`` for per-rank setup.
 * **Collectives serialize** and complete when issued (see [Note: threaded rendezvous]).
+* **No torch.compile.** Dynamo and inductor are not thread-safe (their caches and config are
+  process-wide), so ranks compiling at once can compile with each other's settings, compute
+  wrong results or crash the process. Test compiled models with :class:`FSDPTest`
+  (``reffsdp.testing.multiprocess``), one process per rank.
 
 [Note: stopping a rank thread]
 Python cannot kill a thread, yet a rank thread still running at the deadline must not live
