@@ -118,6 +118,8 @@ def optim_state_dict(
                     value = value.cpu()
                 out[name] = value
             state[fqn] = out
+    if any(owner.index is not None for owner in owners.values()):
+        state = {fqn: state[fqn] for fqn in sorted(state)}  # torch's order with orig params
     if rank0_only and dist.get_rank(group) != 0:
         return {}
     groups = []
@@ -150,7 +152,10 @@ def _whole_states(
     if owner.index is None:  # a flat parameter: its state tensors are flat shards
         local = by_param.get(param, {})
         result: dict[str, dict[str, Any]] = {fqn: {} for fqn in owner.fqns} if local else {}
-        for name, value in local.items():
+        # Tensors cut into the originals first, then what they share (``step``), as torch's.
+        names = sorted(local, key=lambda name: not _is_shardable(local[name]))
+        for name in names:
+            value = local[name]
             flat = _gather_flat(value, instance) if _is_shardable(value) else None
             for i, fqn in enumerate(owner.fqns):
                 if flat is None:
