@@ -311,6 +311,8 @@ class FlatParamHandle(GroupMember):
             if not self.trainable[i]:
                 continue
             piece = self._shard_piece(grad, i)
+            if piece.numel() == 0:  # none of it on this rank: no gradient (optimizers skip it)
+                continue
             if param.grad is not None:  # accumulate into whatever the user left there
                 piece.add_(param.grad.view(-1))
             _assign_grad(param, piece.view(param.shape))

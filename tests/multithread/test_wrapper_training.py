@@ -359,6 +359,23 @@ class TestWrapperFeatures(FSDPTestMultiThread):
         with self.assertRaisesRegex(ValueError, "requires_grad"):
             wrap_blocks(model, {MLP}, use_orig_params=False)
 
+    def test_a_rank_holding_none_of_a_parameter_gets_no_grad_like_torch(self):
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))  # rank 0: 41 of weight 0
+        self.sync_module_states(model)
+        ours = FullyShardedDataParallel(copy.deepcopy(model), use_orig_params=True)
+        theirs = TorchFSDP(model, use_orig_params=True, device_id=torch.device("cpu"))
+        grads = []
+        for wrapped in (ours, theirs):
+            optim = torch.optim.Adam(wrapped.parameters())
+            wrapped(torch.ones(2, 8)).sum().backward()
+            optim.step()
+            grads.append([param.grad is None for param in wrapped.parameters()])
+            grads.append(sorted(optim.state_dict()["state"]))
+        self.assertEqual(grads[:2], grads[2:])
+        self.assertEqual(grads[0], [False, True, True, True] if self.rank == 0 else [False] * 4)
+
     def test_repr_matches_torch_before_and_after_a_step(self):
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
