@@ -5,7 +5,8 @@ The optimizer steps what the wrapper gives it: with ``use_orig_params=False`` on
 :class:`~reffsdp.wrapper.flat_param.FlatParameter` per instance, whose state tensors are
 flat shards like it (``shard_numel`` elements); with ``use_orig_params=True`` each original
 parameter's 1-D piece of the shard, whose state tensors are pieces too (a rank holding none
-of a parameter gives it no gradient, so optimizers keep no state for it there). Either way one instance's state for one state name (``exp_avg``, say) fills that rank's shard of
+of a parameter gives it no gradient, so optimizers keep no state for it there). Either way
+one instance's state for one state name (``exp_avg``, say) fills that rank's shard of
 a flat buffer laid out like the flat parameter. So:
 
 * saving (:func:`optim_state_dict`) writes each rank's pieces into a flat shard, all-gathers
