@@ -11,9 +11,10 @@ The parameters are laid out one after another, in the order given. With address 
 (the front end asks for it when ``use_orig_params=True``, so that every original parameter's
 view starts on a 16-byte boundary) each parameter starts at a multiple of
 ``16 // itemsize`` elements, with a padding segment inserted before it when needed; then a
-last padding segment rounds the total up to a multiple of the world size. Without
-alignment there is no padding segment at all. ``Linear(5, 3)`` in fp32 (4-element
-alignment)::
+last padding segment rounds the total up to a multiple of the world size (for a flat
+parameter that is not sharded, ``NO_SHARD``, of the size of the group that all-reduces it,
+as torch's). Without alignment there is no padding segment at all. ``Linear(5, 3)`` in
+fp32 (4-element alignment)::
 
     unaligned: | weight 0..15 | bias 15..18 |                         18 elements
     aligned:   | weight 0..15 | pad 15..16 | bias 16..19 | pad 19..20 |  20 elements (2 ranks)
@@ -189,13 +190,16 @@ def flat_layout(
     world_size: int,
     *,
     align_itemsize: int | None = None,
+    pad_multiple: int | None = None,
 ) -> FlatLayout:
     """Lay out parameters of ``shapes`` in one flat buffer sharded over ``world_size`` ranks.
 
     ``align_itemsize`` is the element size in bytes of the dtype forward and backward run
     in (``MixedPrecision.param_dtype`` when set, else the parameters' dtype), to start every
     parameter on a 16-byte boundary and pad the total to a multiple of ``world_size``;
-    ``None`` lays them out back to back (see [Note: flat layout]).
+    ``None`` lays them out back to back (see [Note: flat layout]). With alignment the total
+    is padded to a multiple of ``pad_multiple`` instead when given (``NO_SHARD``: one rank
+    holds it all, yet it is padded for the group that all-reduces it).
 
     ``Linear(5, 3)`` (18 numel) on 2 ranks: 9 each, rank 0 holding the first 9 weight
     elements, rank 1 the last 6 and the bias:
@@ -235,7 +239,7 @@ def flat_layout(
             total += gap
         segments.append(FlatSegment(total, math.prod(size), index))
         total += math.prod(size)
-    tail = -total % world_size if alignment else 0
+    tail = -total % (pad_multiple or world_size) if alignment else 0
     if tail:
         segments.append(FlatSegment(total, tail, None))
     return FlatLayout(sizes, tuple(segments), world_size)

@@ -90,6 +90,7 @@ class FlatParamHandle(GroupMember):
         use_orig_params: bool,
         offload: bool,
         fqn_prefix: str,
+        pad_multiple: int | None = None,
     ) -> None:
         _check_flattenable(params, slots, use_orig_params)
         self.slots = slots  # per original parameter: every place it is registered
@@ -102,6 +103,7 @@ class FlatParamHandle(GroupMember):
             [p.shape for p in params],
             world_size,
             align_itemsize=dtype.itemsize if use_orig_params else None,
+            pad_multiple=pad_multiple,
         )
         self.rank_shard: RankShard = self.layout.rank_shard(rank)
         self.orig_dtype = dtype

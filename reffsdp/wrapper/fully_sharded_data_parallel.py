@@ -192,6 +192,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _build_group(self, entries, mesh_info, device, strategy, offload) -> None:
         slots = [[ParamSlot(m, name, fqn) for m, name, fqn in refs] for _, refs in entries]
+        unsharded = strategy is ShardingStrategy.NO_SHARD
         handle = FlatParamHandle(
             slots,
             [param for param, _ in entries],
@@ -201,6 +202,7 @@ class FullyShardedDataParallel(nn.Module):
             use_orig_params=self._use_orig_params,
             offload=offload,
             fqn_prefix=f"{WRAPPED_MODULE}.",
+            pad_multiple=mesh_info.replicate_size if unsharded else None,
         )
         handle.post_backward_hook = self._post_backward
         mp = self.mixed_precision

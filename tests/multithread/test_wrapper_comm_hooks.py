@@ -179,10 +179,6 @@ class TestWrapperCommHooks(FSDPTestMultiThread):
         )
 
     def _test_hook_calls_match_torch(self, strategy, use_orig_params, param_dtype):
-        if strategy == "NO_SHARD" and use_orig_params:
-            # torch pads this flat parameter to a multiple of the group size (196, not 195
-            # elements) although nothing is sharded; reffsdp's flat layout does not.
-            return
         calls = []
         for wrapper_cls, hooks, strategies, mp_cls, extra in (
             (FullyShardedDataParallel, default_hooks, ShardingStrategy, MixedPrecision, {}),

@@ -261,3 +261,24 @@ def test_matches_torch_flat_parameter(model_name, use_orig_params, mixed_precisi
             assert torch.Size([shard.shard_numel]) == flat_param._sharded_size, where
             assert shard.numel_padded == flat_param._shard_numel_padded, where
             assert shard.params == _torch_infos(flat_param), where
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_unsharded_matches_torch_flat_parameter(model_name):
+    """``NO_SHARD``: one rank holds it all, aligned and padded for the all-reducing group."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    for world_size in range(1, 5):
+        model = MODELS[model_name]()
+        params = list(model.parameters())
+        layout = flat_layout(
+            [p.shape for p in params],
+            1,
+            align_itemsize=params[0].dtype.itemsize,
+            pad_multiple=world_size,
+        )
+        kwargs = {"use_orig_params": True, "sharding_strategy": ShardingStrategy.NO_SHARD}
+        flat_param = _torch_flat_param(model, world_size, 0, **kwargs)
+        where = f"{model_name} world size {world_size}"
+        assert layout.numels_with_padding == flat_param._numels_with_padding, where
+        assert layout.rank_shard(0).shard_numel == flat_param.numel(), where
