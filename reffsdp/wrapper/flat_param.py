@@ -8,7 +8,8 @@ the flat buffer is sharded like any tensor on dim 0. Per rank we keep:
 * ``local_shard`` (1-D, ``shard_numel``, original dtype): this rank's padded chunk. The
   :class:`FlatParameter` the optimizer sees (``use_orig_params=False``) is this tensor; with
   ``use_orig_params=True`` the optimizer sees the original parameters instead, each
-  registered as a 1-D view of its piece of ``local_shard`` (empty where the rank holds none).
+  registered as a 1-D view of its piece of ``local_shard`` (empty where the rank holds none;
+  at its own shape under ``NO_SHARD``, where the piece is the whole parameter).
 * ``gathered`` (1-D, ``world_size * shard_numel``, compute dtype): the all-gather target.
   Its storage is freed on reshard and regrown on unshard (same tensor object).
 * ``unsharded``: an ``nn.Parameter`` viewing the first ``total_numel`` elements of
@@ -120,7 +121,7 @@ class FlatParamHandle(GroupMember):
         self.orig_params: list[nn.Parameter] = []
         if use_orig_params:
             self.orig_params = [
-                nn.Parameter(self._shard_piece(self.local_shard, i), requires_grad=p.requires_grad)
+                nn.Parameter(self.orig_piece(self.local_shard, i), requires_grad=p.requires_grad)
                 for i, p in enumerate(params)
             ]
         self.gathered: torch.Tensor | None = None
@@ -151,6 +152,12 @@ class FlatParamHandle(GroupMember):
         if not piece.in_shard:
             return flat_shard.narrow(0, 0, 0)
         return flat_shard.narrow(0, piece.offset_in_shard, piece.numel_in_shard)
+
+    def orig_piece(self, flat_shard: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s piece as its original parameter shows it: 1-D, or at its own
+        shape where this rank holds the whole flat parameter (``NO_SHARD``), as torch's."""
+        piece = self._shard_piece(flat_shard, index)
+        return piece.view(self.layout.shapes[index]) if self.layout.world_size == 1 else piece
 
     # -- the member contract: identity and dtypes ---------------------------------------
 

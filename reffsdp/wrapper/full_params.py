@@ -323,7 +323,7 @@ class _FullParams:
         if handle.use_orig_params:
             for i, param in enumerate(handle.orig_params):
                 param.grad = None
-                param.data = handle._shard_piece(handle.local_shard, i)
+                param.data = handle.orig_piece(handle.local_shard, i)
                 grad = self.saved_grads[i]
                 if grad_chunk is not None and handle.trainable[i]:
                     piece = handle._shard_piece(grad_chunk, i)

@@ -410,9 +410,10 @@ class FullyShardedDataParallel(nn.Module):
         if self._group is not None:
             backward_follows = torch.is_grad_enabled()
             self._group.post_forward(backward_follows=backward_follows)
-            if self._use_orig_params and self.sharding_strategy in _RESHARD_AFTER_FORWARD:
-                # The root keeps its gathered buffer for backward, but shows shard views
-                # like every other FULL_SHARD / HYBRID_SHARD instance (as torch does).
+            reshards = self.sharding_strategy in _RESHARD_AFTER_FORWARD
+            if self._use_orig_params and (reshards or not backward_follows):
+                # Shard views, as torch shows: the root keeps its gathered buffer for
+                # backward, and SHARD_GRAD_OP keeps the full views for backward only.
                 self._handle.show_sharded()
             if backward_follows:
                 ctx.post_forward_order.append(self)

@@ -320,6 +320,7 @@ def _local_state(owner: _Owner, saved: dict[str, dict[str, Any]]) -> dict[str, A
             if _is_shardable(value):
                 flat = value.reshape(-1)
                 value = flat[piece.intra_param_start : piece.intra_param_end].clone()
+                value = value.view(handle.orig_params[owner.index].shape)
             out[name] = value
         return out
     out: dict[str, Any] = {}

@@ -116,7 +116,7 @@ def _check_grads(test, model, ref, *, exact: bool = False) -> None:
             torch.testing.assert_close(handle.flat_param.grad, expected, **tolerance)
             continue
         for index, param in enumerate(handle.orig_params):
-            piece = handle._shard_piece(expected, index)
+            piece = handle.orig_piece(expected, index)
             if piece.numel() == 0:  # none of the parameter on this rank: no gradient
                 test.assertIsNone(param.grad)
             else:

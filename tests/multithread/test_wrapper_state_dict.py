@@ -316,20 +316,25 @@ class TestWrapperStateDict(NextToTorchsWrapper):
                 model.load_state_dict(full_state)
 
     def test_no_shard_gives_full_state_dicts(self):
-        ref, _, model, optim = trained(False, self.world_size, sharding_strategy=NO_SHARD)
-        with pytest.warns(UserWarning, match="NO_SHARD"):
-            model_state, optim_state = save(model, optim, SHARDED)
-        for name, value in model_state.items():
-            self.assertIs(type(value), torch.Tensor, name)
-            torch.testing.assert_close(value, ref.state_dict()[name], msg=name)
-        exp_avg = optim_state["state"]["proj.weight"]["exp_avg"]
-        self.assertEqual((type(exp_avg), exp_avg.shape), (torch.Tensor, (DIM, DIM)))
-        other = wrap(_blocks(), sharding_strategy=NO_SHARD)
-        other_optim = adam(other.parameters())
-        with pytest.warns(UserWarning, match="NO_SHARD"):
-            load(other, other_optim, (model_state, optim_state), SHARDED)
-        inputs = make_inputs(1, self.rank)
-        self.assertEqual(train_step(other, other_optim, inputs), train_step(model, optim, inputs))
+        for use_orig_params in (False, True):
+            ref, _, model, optim = trained(
+                use_orig_params, self.world_size, sharding_strategy=NO_SHARD
+            )
+            with pytest.warns(UserWarning, match="NO_SHARD"):
+                model_state, optim_state = save(model, optim, SHARDED)
+            for name, value in model_state.items():
+                self.assertIs(type(value), torch.Tensor, name)
+                torch.testing.assert_close(value, ref.state_dict()[name], msg=name)
+            exp_avg = optim_state["state"]["proj.weight"]["exp_avg"]
+            self.assertEqual((type(exp_avg), exp_avg.shape), (torch.Tensor, (DIM, DIM)))
+            other = wrap(_blocks(), sharding_strategy=NO_SHARD, use_orig_params=use_orig_params)
+            other_optim = adam(other.parameters())
+            with pytest.warns(UserWarning, match="NO_SHARD"):
+                load(other, other_optim, (model_state, optim_state), SHARDED)
+            inputs = make_inputs(1, self.rank)
+            self.assertEqual(
+                train_step(other, other_optim, inputs), train_step(model, optim, inputs)
+            )
 
     def test_buffers_keep_their_dtype_under_mixed_precision(self):
         """``buffer_dtype`` casts buffers at the first forward; full and sharded state dicts

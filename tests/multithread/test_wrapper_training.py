@@ -175,6 +175,59 @@ class TestWrapperTraining(WrapperTrainChecks, FSDPTestMultiThread):
             self.assertEqual(model.proj.weight.dim(), 1)
             self.assertEqual(model.proj.weight.grad.shape, model.proj.weight.shape)
 
+    def test_original_parameters_after_a_forward_without_grad(self):
+        """No backward follows: every strategy shows 1-D shard parameters, as torch's."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+        from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+        for strategy in (S.FULL_SHARD, S.SHARD_GRAD_OP, S.NO_SHARD):
+            shapes = []
+            for wrapped in (
+                wrap_blocks(
+                    blocks_model(), {MLP}, sharding_strategy=strategy, use_orig_params=True
+                ),
+                TorchFSDP(
+                    blocks_model(),
+                    auto_wrap_policy=TorchPolicy({MLP}),
+                    sharding_strategy=TorchStrategy[strategy.name],
+                    use_orig_params=True,
+                    device_id=torch.device("cpu"),
+                ),
+            ):
+                with torch.no_grad():
+                    wrapped(make_inputs(0, self.rank))
+                shapes.append([tuple(p.shape) for p in wrapped.parameters()])
+            self.assertEqual(shapes[0], shapes[1], strategy)
+
+    def test_no_shard_originals_keep_their_shapes_like_torch(self):
+        """NO_SHARD, use_orig_params=True: parameters and gradients at their own shapes
+        before, during and after a step (each rank holds every parameter whole)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+        from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+
+        seen = []
+        for wrapped in (
+            FullyShardedDataParallel(
+                blocks_model(), sharding_strategy=S.NO_SHARD, use_orig_params=True
+            ),
+            TorchFSDP(
+                blocks_model(),
+                sharding_strategy=TorchStrategy.NO_SHARD,
+                use_orig_params=True,
+                device_id=torch.device("cpu"),
+            ),
+        ):
+            before = [tuple(p.shape) for p in wrapped.parameters()]
+            loss = wrapped(make_inputs(0, self.rank)).sum()
+            during = [tuple(p.shape) for p in wrapped.parameters()]
+            loss.backward()
+            after = [tuple(p.shape) for p in wrapped.parameters()]
+            grads = [tuple(p.grad.shape) for p in wrapped.parameters()]
+            seen.append((before, during, after, grads))
+        self.assertEqual(seen[0], seen[1])
+        self.assertEqual(seen[0][0], [tuple(p.shape) for p in blocks_model().parameters()])
+
     def test_accumulate_with_sync(self):
         """Two synced backwards per step add their reduced gradients (no ``no_sync``)."""
         self.run_subtests(
