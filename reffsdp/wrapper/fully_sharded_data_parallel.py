@@ -111,6 +111,11 @@ class FullyShardedDataParallel(nn.Module):
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         device = setup.compute_device(module, device_id)
         mesh_info = setup.mesh_info_for_strategy(strategy, process_group, device_mesh, device)
+        self.sharding_strategy = setup.strategy_for_group(strategy, mesh_info)
+        if self.sharding_strategy is not strategy:
+            mesh_info = setup.mesh_info_for_strategy(
+                self.sharding_strategy, process_group, device_mesh, device
+            )
         ignored_modules_set, ignored_params = setup.ignored_sets(
             module, ignored_modules, ignored_states, FullyShardedDataParallel
         )
@@ -148,7 +153,6 @@ class FullyShardedDataParallel(nn.Module):
                 ignored_params,
             )
             call_through_wrappers(module, FullyShardedDataParallel)
-        self.sharding_strategy = setup.warn_no_shard(strategy, mesh_info.shard_size)
         self.cpu_offload = cpu_offload or CPUOffload()
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch
@@ -188,7 +192,7 @@ class FullyShardedDataParallel(nn.Module):
         self._handle: FlatParamHandle | None = None
         self._group: ParamGroup | None = None
         if entries:
-            self._build_group(entries, mesh_info, device, strategy, offload)
+            self._build_group(entries, mesh_info, device, self.sharding_strategy, offload)
 
     def _build_group(self, entries, mesh_info, device, strategy, offload) -> None:
         slots = [[ParamSlot(m, name, fqn) for m, name, fqn in refs] for _, refs in entries]

@@ -376,11 +376,22 @@ def _check_same_shapes(
         )
 
 
-def warn_no_shard(strategy: ShardingStrategy, world_size: int) -> ShardingStrategy:
+def strategy_for_group(strategy: ShardingStrategy, mesh_info: MeshInfo) -> ShardingStrategy:
+    """The strategy an instance runs, warning as torch's wrapper does: ``NO_SHARD`` is
+    deprecated, and FULL_SHARD / SHARD_GRAD_OP over one rank run as ``NO_SHARD`` (sharding
+    over one rank holds everything whole; the original shapes show, as torch's). Hybrid
+    strategies keep theirs: their replicas still all-reduce."""
     if strategy is ShardingStrategy.NO_SHARD:
         warnings.warn(
             "ShardingStrategy.NO_SHARD is deprecated (as in torch); use DistributedDataParallel",
             FutureWarning,
             stacklevel=3,
         )
+    elif strategy not in HYBRID and mesh_info.shard_size == 1:
+        warnings.warn(
+            f"FullyShardedDataParallel uses `NO_SHARD` instead of {strategy} since the "
+            "world size is 1",
+            stacklevel=3,
+        )
+        return ShardingStrategy.NO_SHARD
     return strategy

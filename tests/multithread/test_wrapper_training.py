@@ -460,6 +460,45 @@ class TestWrapperFeatures(FSDPTestMultiThread):
         check_train_parity(self, ref_model, wrapped, make_inputs, num_steps=2)
 
 
+class TestWrapperOnOneRank(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def test_sharding_over_one_rank_runs_no_shard_like_torch(self):
+        """FULL_SHARD / SHARD_GRAD_OP over one rank run as NO_SHARD, with a warning that
+        says so, in every instance; hybrid strategies keep theirs. As torch's wrapper."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+        from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+        for strategy in (S.FULL_SHARD, S.SHARD_GRAD_OP):
+            seen = []
+            for wrap, strategies, extra in (
+                (wrap_blocks, S, {}),
+                (TorchFSDP, TorchStrategy, {"device_id": torch.device("cpu")}),
+            ):
+                kwargs = dict(sharding_strategy=strategies[strategy.name], use_orig_params=True)
+                expected = f"`NO_SHARD` instead of {strategy} since the world size is 1"
+                with self.assertWarnsRegex(UserWarning, expected):
+                    if wrap is TorchFSDP:
+                        kwargs["auto_wrap_policy"] = TorchPolicy({MLP})
+                        wrapped = wrap(blocks_model(), **kwargs, **extra)
+                    else:
+                        wrapped = wrap(blocks_model(), {MLP}, **kwargs)
+                strategies_run = {
+                    m.sharding_strategy.name for m in wrapped.modules() if hasattr(m, "_handle")
+                }
+                seen.append((strategies_run, [tuple(p.shape) for p in wrapped.parameters()]))
+            self.assertEqual(seen[0], seen[1], strategy)
+            self.assertEqual(seen[0][0], {"NO_SHARD"})
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+        hybrid = FullyShardedDataParallel(
+            blocks_model(), sharding_strategy=S.HYBRID_SHARD, device_mesh=mesh
+        )
+        self.assertIs(hybrid.sharding_strategy, S.HYBRID_SHARD)
+
+
 class TiedStack(nn.Module):
     """``proj`` and ``head`` share one weight around two MLP blocks: one parameter that the
     root instance flattens once and uses twice."""
