@@ -304,7 +304,9 @@ def _post_state_dict_hook(
         if handle is not None:
             state_dict[prefix + FLAT_PARAM] = _local_flat_param(instance, config.offload_to_cpu)
         return
-    names = [prefix + fqn for fqn in handle.fqns] if handle is not None else []
+    # Every name a parameter is shown under: a tied one is a view of the gathered buffer
+    # under each of its names, and each must be copied out before that buffer is freed.
+    names = [prefix + slot.fqn for slots in handle.slots for slot in slots] if handle else []
     try:
         if kind is StateDictType.FULL_STATE_DICT:
             if isinstance(config, FullStateDictConfig) and config.rank0_only and instance.rank:

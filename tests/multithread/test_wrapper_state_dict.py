@@ -254,6 +254,37 @@ class TestWrapperStateDict(NextToTorchsWrapper):
                         theirs = expected_optim["state"][name][key]
                         self.assertIs(type(value), type(theirs), f"{where}: {name} {key}")
 
+    def test_tied_weights_are_saved_under_both_names_like_torch(self):
+        """A weight tied into one flat parameter is a value of its own under each name (it
+        was a view of the freed gathered buffer under its second name)."""
+        from tests.multithread.test_wrapper_training import TiedStack
+
+        for use_orig_params in (False, True):
+            base = TiedStack()
+            self.sync_module_states(base)
+            ours = wrap(copy.deepcopy(base), use_orig_params=use_orig_params)
+            theirs = torch_wrap(base, use_orig_params=use_orig_params)
+            for kind, torch_kind in (
+                (FULL, TorchStateDictType.FULL_STATE_DICT),
+                (SHARDED, TorchStateDictType.SHARDED_STATE_DICT),
+            ):
+                where = f"{kind}, use_orig_params={use_orig_params}"
+                with TorchFSDP.state_dict_type(theirs, torch_kind):
+                    expected = theirs.state_dict()
+                with FSDP.state_dict_type(ours, kind):
+                    state = ours.state_dict()
+                self.assertEqual(list(state), list(expected), where)
+                for name, value in state.items():
+                    for mine, theirs_local in zip(
+                        _local_tensors(value), _local_tensors(expected[name])
+                    ):
+                        self.assertEqual(
+                            mine.untyped_storage().nbytes(),
+                            mine.numel() * mine.element_size(),
+                            f"{where}: {name}",
+                        )
+                        torch.testing.assert_close(mine.clone(), theirs_local, msg=name)
+
     def test_set_and_get_state_dict_type(self):
         model = wrap(_blocks())
         self.assertEqual(
