@@ -7,8 +7,8 @@ the flat buffer is sharded like any tensor on dim 0. Per rank we keep:
 
 * ``local_shard`` (1-D, ``shard_numel``, original dtype): this rank's padded chunk. The
   :class:`FlatParameter` the optimizer sees (``use_orig_params=False``) is this tensor; with
-  ``use_orig_params=True`` the optimizer sees the original parameters instead, each
-  registered as a 1-D view of its piece of ``local_shard`` (empty where the rank holds none;
+  ``use_orig_params=True`` the optimizer sees the original parameters instead (the same
+  objects), each a 1-D view of its piece of ``local_shard`` (empty where the rank holds none;
   at its own shape under ``NO_SHARD``, where the piece is the whole parameter).
 * ``gathered`` (1-D, ``world_size * shard_numel``, compute dtype): the all-gather target.
   Its storage is freed on reshard and regrown on unshard (same tensor object).
@@ -120,10 +120,12 @@ class FlatParamHandle(GroupMember):
         )
         self.orig_params: list[nn.Parameter] = []
         if use_orig_params:
-            self.orig_params = [
-                nn.Parameter(self.orig_piece(self.local_shard, i), requires_grad=p.requires_grad)
-                for i, p in enumerate(params)
-            ]
+            # The very parameter objects, now viewing their pieces: an optimizer made before
+            # wrapping (or anything else holding them) keeps working, as with torch's.
+            self.orig_params = list(params)
+            for i, param in enumerate(params):
+                param.data = self.orig_piece(self.local_shard, i)
+                param.grad = None
         self.gathered: torch.Tensor | None = None
         self.unsharded: nn.Parameter | None = None
         self.unsharded_accumulated_grad: torch.Tensor | None = None

@@ -412,6 +412,26 @@ class TestWrapperFeatures(FSDPTestMultiThread):
         with self.assertRaisesRegex(ValueError, "requires_grad"):
             wrap_blocks(model, {MLP}, use_orig_params=False)
 
+    def test_optimizer_made_before_wrapping_trains_with_orig_params(self):
+        """use_orig_params=True keeps the parameter objects, as torch's wrapper does."""
+        model = blocks_model()
+        initial = copy.deepcopy(model)
+        early = torch.optim.SGD(model.parameters(), lr=0.1)
+        wrapped = wrap_blocks(model, {MLP}, use_orig_params=True)
+        twin = wrap_blocks(copy.deepcopy(initial), {MLP}, use_orig_params=True)
+        late = torch.optim.SGD(twin.parameters(), lr=0.1)
+        self.assertEqual({id(p) for p in wrapped.parameters()}, {id(p) for p in model.parameters()})
+        for step in range(2):
+            for module, optim in ((wrapped, early), (twin, late)):
+                optim.zero_grad()
+                module(make_inputs(step, self.rank)).sum().backward()
+                optim.step()
+        trained = unflattened_params(wrapped)
+        for name, (param, _) in unflattened_params(twin).items():
+            torch.testing.assert_close(trained[name][0], param, msg=name)
+        for name, param in initial.named_parameters():
+            self.assertFalse(torch.equal(trained[name][0], param), name)
+
     def test_a_rank_holding_none_of_a_parameter_gets_no_grad_like_torch(self):
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
