@@ -325,7 +325,7 @@ class _FullParams:
                 param.grad = None
                 param.data = handle.orig_piece(handle.local_shard, i)
                 grad = self.saved_grads[i]
-                if grad_chunk is not None and handle.trainable[i]:
+                if grad_chunk is not None and handle.trainable[i] and param.numel():
                     piece = handle._shard_piece(grad_chunk, i)
                     grad = piece.clone() if grad is None else grad.view(-1).copy_(piece)
                 if grad is not None:

@@ -215,6 +215,8 @@ class TestSummonFullParams(FSDPTestMultiThread):
         with FSDP.summon_full_params(model, with_grads=True):
             for actual, expected in zip(model.parameters(), ref.parameters()):
                 _assert_equal(actual.grad, 2.0 * expected.grad)
+        for param in model.parameters():  # a rank holding none of it: no gradient, as before
+            self.assertEqual(param.grad is None, param.numel() == 0)
         plain = _wrap(ref, use_orig_params=False)
         with self.assertRaisesRegex(NotImplementedError, "use_orig_params"):
             with FSDP.summon_full_params(plain, with_grads=True):
