@@ -31,6 +31,7 @@ harness):
   the stand-ins keep no state, so ranks share them safely.
 """
 
+from . import wrap as wrap  # ``reffsdp.wrap`` after ``import reffsdp``, as torch's
 from .api import (
     BackwardPrefetch,
     CPUOffload,

@@ -357,3 +357,20 @@ def test_original_parameter_identity_is_a_stamped_uid_not_id():
     uid = _original_uid(first)
     assert _original_uid(first) == uid
     assert all(_original_uid(torch.nn.Parameter(torch.zeros(2))) != uid for _ in range(50))
+
+
+def test_import_reffsdp_makes_its_submodules_attributes_like_torch():
+    """After a bare ``import``, ``<package>.wrap`` and friends are there, as in torch's."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import reffsdp
+        import torch.distributed.fsdp as torch_fsdp
+
+        for name in ("wrap", "api", "fully_sharded_data_parallel"):
+            assert hasattr(torch_fsdp, name), name
+            assert hasattr(reffsdp, name), name
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
