@@ -280,10 +280,15 @@ def materialize(
         if param_init_fn is not None:
             param_init_fn(sub)
             continue
-        sub.to_empty(device=device, recurse=False)
         reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
-            reset()
+        if not callable(reset):  # to_empty alone would leave uninitialized memory
+            raise AttributeError(
+                f"a {type(sub).__name__} module has parameters or buffers on the meta "
+                "device but no reset_parameters() to initialize them once materialized; "
+                "define reset_parameters() or pass param_init_fn"
+            )
+        sub.to_empty(device=device, recurse=False)
+        reset()
 
 
 def _unwrapped_modules(module, ignored_modules, wrapper_cls) -> list[nn.Module]:

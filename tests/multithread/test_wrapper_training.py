@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -335,6 +336,26 @@ class TestWrapperFeatures(FSDPTestMultiThread):
             self.assertTrue(param.isfinite().all(), name)
             self.assertGreater(param.abs().sum().item(), 0.0, name)  # reset, not left empty
         check_train_parity(self, _reference_from(wrapped), wrapped, make_inputs, num_steps=2)
+
+    def test_meta_device_module_without_reset_parameters_raises_like_torch(self):
+        """Its buffer would be left uninitialized: torch's and ours raise AttributeError."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+        class Shifted(nn.Module):  # a buffer, no reset_parameters()
+            def __init__(self) -> None:
+                super().__init__()
+                self.register_buffer("shift", torch.ones(DIM))
+
+        for wrap, extra in (
+            (FullyShardedDataParallel, {}),
+            (TorchFSDP, {"device_id": torch.device("cpu")}),
+        ):
+            with torch.device("meta"):
+                model = nn.Sequential(nn.Linear(DIM, DIM), Shifted())
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's says it could not reset
+                with self.assertRaisesRegex(AttributeError, "reset_parameters"):
+                    wrap(model, **extra)
 
     def test_sync_module_states_takes_rank0s_params_and_buffers(self):
         self.run_subtests(
