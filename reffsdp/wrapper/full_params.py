@@ -262,7 +262,8 @@ class _FullParams:
         return full
 
     def release(self) -> None:
-        """Reshard if this summon gathered; give back what forward left unsharded."""
+        """Reshard if this summon gathered; give back what forward left unsharded. Original
+        parameters (``use_orig_params=True``) then show their shards, as torch's do."""
         handle, group = self.handle, self.group
         if self.gathered_here:
             group.reshard()
@@ -270,8 +271,10 @@ class _FullParams:
             handle.gathered, handle.unsharded = self.set_aside
             if self.was_unsharded:
                 group.sharded_state = ShardedState.UNSHARDED
-        if group.is_unsharded:
+        if group.is_unsharded and not handle.use_orig_params:
             handle.to_unsharded()
+        else:
+            handle.show_sharded()
 
     # -- what the module shows ----------------------------------------------------------
 

@@ -112,6 +112,29 @@ class TestSummonFullParams(FSDPTestMultiThread):
                 _assert_equal(params[name], expected, exact=True)
         self.assertEqual(names(model), names(torch_model))
 
+    def test_shapes_after_a_forward_match_torch(self):
+        """use_orig_params=True: inside a rank0_only summon (other ranks keep their shards)
+        and after summons, parameters show as torch's, also when forward left the root's
+        buffer gathered."""
+        self.run_subtests(
+            {"strategy": STRATEGIES, "grad": [False, True]}, self._test_shapes_after_a_forward
+        )
+
+    def _test_shapes_after_a_forward(self, strategy, grad):
+        ref = _reference()
+        seen = []
+        for cls in (FSDP, TorchFSDP):
+            model = _wrap(ref, cls, use_orig_params=True, sharding_strategy=strategy)
+            shapes = []
+            with torch.set_grad_enabled(grad):
+                model(_input(self.rank))
+            for rank0_only in (True, False):
+                with cls.summon_full_params(model, rank0_only=rank0_only, writeback=False):
+                    shapes.append([tuple(p.shape) for p in model.parameters()])
+                shapes.append([tuple(p.shape) for p in model.parameters()])
+            seen.append(shapes)
+        self.assertEqual(seen[0], seen[1])
+
     def test_writeback(self):
         self.run_subtests(
             {"use_orig_params": [False, True], "strategy": STRATEGIES}, self._test_writeback
