@@ -52,6 +52,24 @@ def blocks_model() -> MLPBlocks:
     return init_deterministic(MLPBlocks(DIM, with_buffer=True))
 
 
+def blocks_wrapped_by(api: str, strategy: ShardingStrategy, **kwargs) -> nn.Module:
+    """:func:`blocks_model` wrapped, an instance per MLP block, by ``api``'s wrapper:
+    ``"reffsdp"`` or ``"torch"`` (the reference, told the CPU device it needs)."""
+    if api == "reffsdp":
+        return wrap_blocks(blocks_model(), {MLP}, sharding_strategy=strategy, **kwargs)
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    return TorchFSDP(
+        blocks_model(),
+        auto_wrap_policy=TorchPolicy({MLP}),
+        sharding_strategy=TorchStrategy[strategy.name],
+        device_id=torch.device("cpu"),
+        **kwargs,
+    )
+
+
 def precision_kwargs(precision: str) -> dict:
     if precision == OFFLOAD:
         return {"cpu_offload": CPUOffload(offload_params=True)}
@@ -178,24 +196,10 @@ class TestWrapperTraining(WrapperTrainChecks, FSDPTestMultiThread):
 
     def test_original_parameters_after_a_forward_without_grad(self):
         """No backward follows: every strategy shows 1-D shard parameters, as torch's."""
-        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-        from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
-
         for strategy in (S.FULL_SHARD, S.SHARD_GRAD_OP, S.NO_SHARD):
             shapes = []
-            for wrapped in (
-                wrap_blocks(
-                    blocks_model(), {MLP}, sharding_strategy=strategy, use_orig_params=True
-                ),
-                TorchFSDP(
-                    blocks_model(),
-                    auto_wrap_policy=TorchPolicy({MLP}),
-                    sharding_strategy=TorchStrategy[strategy.name],
-                    use_orig_params=True,
-                    device_id=torch.device("cpu"),
-                ),
-            ):
+            for api in ("reffsdp", "torch"):
+                wrapped = blocks_wrapped_by(api, strategy, use_orig_params=True)
                 with torch.no_grad():
                     wrapped(make_inputs(0, self.rank))
                 shapes.append([tuple(p.shape) for p in wrapped.parameters()])
@@ -509,24 +513,12 @@ class TestWrapperOnOneRank(FSDPTestMultiThread):
     def test_sharding_over_one_rank_runs_no_shard_like_torch(self):
         """FULL_SHARD / SHARD_GRAD_OP over one rank run as NO_SHARD, with a warning that
         says so, in every instance; hybrid strategies keep theirs. As torch's wrapper."""
-        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-        from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
-
         for strategy in (S.FULL_SHARD, S.SHARD_GRAD_OP):
             seen = []
-            for wrap, strategies, extra in (
-                (wrap_blocks, S, {}),
-                (TorchFSDP, TorchStrategy, {"device_id": torch.device("cpu")}),
-            ):
-                kwargs = dict(sharding_strategy=strategies[strategy.name], use_orig_params=True)
+            for api in ("reffsdp", "torch"):
                 expected = f"`NO_SHARD` instead of {strategy} since the world size is 1"
                 with self.assertWarnsRegex(UserWarning, expected):
-                    if wrap is TorchFSDP:
-                        kwargs["auto_wrap_policy"] = TorchPolicy({MLP})
-                        wrapped = wrap(blocks_model(), **kwargs, **extra)
-                    else:
-                        wrapped = wrap(blocks_model(), {MLP}, **kwargs)
+                    wrapped = blocks_wrapped_by(api, strategy, use_orig_params=True)
                 strategies_run = {
                     m.sharding_strategy.name for m in wrapped.modules() if hasattr(m, "_handle")
                 }
