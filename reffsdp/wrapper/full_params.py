@@ -262,8 +262,9 @@ class _FullParams:
         return full
 
     def release(self) -> None:
-        """Reshard if this summon gathered; give back what forward left unsharded. Original
-        parameters (``use_orig_params=True``) then show their shards, as torch's do."""
+        """Reshard if this summon gathered; give back what forward left unsharded; show the
+        parameters as they are now (after :meth:`hide`, if the summon showed them). Original
+        parameters (``use_orig_params=True``) show their shards, as torch's do."""
         handle, group = self.handle, self.group
         if self.gathered_here:
             group.reshard()
@@ -333,7 +334,6 @@ class _FullParams:
                     grad = piece.clone() if grad is None else grad.view(-1).copy_(piece)
                 if grad is not None:
                     _assign_grad(param, grad.view(param.shape))
-        handle.show_sharded()
         if self.saved_flat_entries is not None:
             wrapped = self.instance._fsdp_wrapped_module
             wrapped._parameters.clear()
