@@ -13,7 +13,9 @@ no data between ranks; it only writes this rank's output buffer, so shapes and d
 exactly those of a real run and the numbers are meaningless:
 
 * all-gather copies the local input into every rank's slot of the output;
-* reduce-scatter copies this rank's chunk of the input into the output (no reduction);
+* reduce-scatter copies this rank's chunk of the input into the output (no reduction) on
+  torch 2.13 and newer, and leaves the output as it was before (entry 6 of [Note: torch
+  versions] in ``reffsdp.core.compat``);
 * all-reduce and broadcast leave the tensor as it is.
 
 Its collectives go through the dispatcher like gloo's and NCCL's, so
@@ -33,6 +35,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
+
+from reffsdp.core import comms
 
 FAKE_BACKEND = "fake"
 
@@ -71,6 +75,8 @@ def _create_fake_backend(common_options: Any, backend_options: Any) -> Any:
 
 def register_fake_backend() -> None:
     """Make ``"fake"`` a usable backend name; a no-op when a factory is already registered."""
+    # Its collectives compute nothing, so it takes every reduce op a real run would use.
+    comms.register_reduce_ops(FAKE_BACKEND, [dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM])
     if FAKE_BACKEND.upper() in dist.Backend._plugins:
         return
     _fake_process_group_class()  # fail here, with a clear message, not at group creation

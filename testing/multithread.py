@@ -41,6 +41,15 @@ code with no timeout (say ``threading.Event().wait()``) cannot be woken: the fai
 so, and the pending ``RankStopped`` ends it the moment it runs Python code again, before it
 can touch anything. ``time.sleep`` bound under another name (``from time import sleep``) is
 not replaced and, for a sleep longer than the run, is such a case.
+
+[Note: a rank thread ends twice]
+``Thread.join`` returns once a thread's Python code is done, but the OS thread then still
+runs the destructors of its C++ thread-local objects. torch 2.12 leaves a Python object in
+autograd's thread-local storage after every backward; its destructor takes the GIL. If that
+happens while the interpreter is shutting down, taking the GIL ends the thread inside a
+destructor, and the process aborts (``terminate called without an active exception``, exit
+status 134) although every rank passed. So before :func:`run_threaded` returns it waits
+until each ended rank thread is gone from the OS as well, and nothing of a run outlives it.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import os
 import sys
 import threading
 import time
@@ -164,6 +174,7 @@ def run_threaded(fn: Callable[[int], None], world_size: int, *, timeout_s: float
             job.abort(f"the run timed out after {timeout_s:g}s")
             stop.set()
             unstoppable = _end_late_ranks(threads, in_test)
+        _wait_until_gone_from_the_os(threads, time.monotonic() + _STOP_S)
     _raise_for_outcomes(outcomes, stacks, timeout_s, unstoppable)
 
 
@@ -172,6 +183,22 @@ def _join_until(threads: list[threading.Thread], deadline: float) -> list[int]:
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     return [index for index, thread in enumerate(threads) if thread.is_alive()]
+
+
+def _wait_until_gone_from_the_os(threads: list[threading.Thread], deadline: float) -> None:
+    """Wait, up to ``deadline``, until the ended ``threads`` have left the OS too.
+
+    See [Note: a rank thread ends twice]. Linux lists a process's live threads under
+    ``/proc/self/task``; elsewhere there is nothing to wait on and this returns at once.
+    """
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return
+    for thread in threads:
+        if thread.is_alive() or thread.native_id is None:
+            continue
+        while os.path.exists(f"{tasks}/{thread.native_id}") and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 
 def _end_late_ranks(threads: list[threading.Thread], in_test: set[int]) -> list[int]:

@@ -4,11 +4,11 @@ Each helper routes one kind of collective, for the calling rank and while its co
 open, to ``fn``. ``fn`` takes exactly the arguments of the torch function it stands in for
 and may call that function to let the collective through::
 
-    from reffsdp.core import comms
+    from reffsdp.core import compat
 
     def slow_all_gather(output, input, group=None, async_op=False):
         time.sleep(0.1)  # e.g. to expose a missing wait on the all-gather stream
-        return comms.torch_all_gather()(output, input, group=group, async_op=async_op)
+        return compat.all_gather_single()(output, input, group=group, async_op=async_op)
 
     with patch_all_gather(slow_all_gather):
         model(inp).sum().backward()
@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 
-from reffsdp.core import comms
-from reffsdp.core.comms import Collective, intercept, torch_all_gather, torch_reduce_scatter
+from reffsdp.core import comms, compat
+from reffsdp.core.comms import Collective, intercept
 
 
 def patch_all_gather(fn: Callable[..., Any]) -> AbstractContextManager[None]:
     """Route this rank's all-gathers to ``fn(output, input, group=, async_op=)``.
 
-    ``fn`` stands in for ``comms.torch_all_gather()`` (``dist.all_gather_single``, or
+    ``fn`` stands in for ``compat.all_gather_single()`` (``dist.all_gather_single``, or
     ``dist.all_gather_into_tensor`` before torch 2.13).
     """
     return intercept(Collective.ALL_GATHER, fn)
@@ -46,7 +46,7 @@ def patch_all_gather(fn: Callable[..., Any]) -> AbstractContextManager[None]:
 def patch_reduce_scatter(fn: Callable[..., Any]) -> AbstractContextManager[None]:
     """Route this rank's reduce-scatters to ``fn(output, input, op=, group=, async_op=)``.
 
-    ``fn`` stands in for ``comms.torch_reduce_scatter()`` (``dist.reduce_scatter_single``,
+    ``fn`` stands in for ``compat.reduce_scatter_single()`` (``dist.reduce_scatter_single``,
     or ``dist.reduce_scatter_tensor`` before torch 2.13).
     """
     return intercept(Collective.REDUCE_SCATTER, fn)
@@ -79,7 +79,7 @@ def observe_all_gathers(
 
     def observed(output, input, group=None, async_op=False):
         observer(output, input, group)
-        return torch_all_gather()(output, input, group=group, async_op=async_op)
+        return compat.all_gather_single()(output, input, group=group, async_op=async_op)
 
     return patch_all_gather(observed)
 
@@ -92,7 +92,7 @@ def observe_reduce_scatters(
 
     def observed(output, input, op=None, group=None, async_op=False):
         observer(output, input, op, group)
-        return torch_reduce_scatter()(output, input, op=op, group=group, async_op=async_op)
+        return compat.reduce_scatter_single()(output, input, op=op, group=group, async_op=async_op)
 
     return patch_reduce_scatter(observed)
 

@@ -12,8 +12,11 @@ restored on exit:
 
 * c10d's C++ group-name registry (which functional collectives use to find a group by name)
   becomes thread-local through ``_set_thread_isolation_mode(True)``;
-* DTensor's sharding propagator serializes its fake-tensor tracing through a real lock when
-  several threads propagate at once;
+* DTensor's sharding propagation traces ops under a fake-tensor mode, which two threads must
+  not do at once: that step is serialized (entry 3 of [Note: torch versions] in
+  ``reffsdp.core.compat``, for how on each torch);
+* torch 2.15's flight recorder, which cannot record a group implemented in Python, is kept
+  off the threaded groups (entry 4 there);
 * ``init_process_group`` writes two module globals (the backend name and init method) and
   wraps ``sys.excepthook`` with a rank prefix, from every rank thread; DTensor's random
   ops create a module-level RNG tracker bound to a rank's mesh. All are put back.
@@ -35,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reffsdp.core import compat
+
 _c10d = dist.distributed_c10d
 
 
@@ -51,6 +56,7 @@ class _WorldState:
     tags_to_pg: dict = dataclasses.field(default_factory=dict)
     pg_to_tag: dict = dataclasses.field(default_factory=dict)
     pg_coalesce_state: dict = dataclasses.field(default_factory=dict)
+    pg_flight_recorder_hooks: dict = dataclasses.field(default_factory=dict)  # torch 2.15+
     comms: list = dataclasses.field(default_factory=list)
 
 
@@ -94,14 +100,8 @@ class ThreadLocalWorld(_c10d._World):
     tags_to_pg = _per_thread("tags_to_pg")
     pg_to_tag = _per_thread("pg_to_tag")
     pg_coalesce_state = _per_thread("pg_coalesce_state")
+    pg_flight_recorder_hooks = _per_thread("pg_flight_recorder_hooks")
     comms = _per_thread("comms")
-
-
-def _sharding_propagator_class() -> type | None:
-    """DTensor's ``ShardingPropagator`` where this torch has the fake-mode lock hook."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    return ShardingPropagator if hasattr(ShardingPropagator, "_fake_mode_lock") else None
 
 
 @contextlib.contextmanager
@@ -127,15 +127,15 @@ def threaded_world() -> Iterator[ThreadLocalWorld]:
         raise RuntimeError("a threaded world is already installed; threaded runs cannot nest")
     from torch.distributed.tensor import _random as dtensor_random
 
-    propagator = _sharding_propagator_class()
+    from reffsdp.testing.threaded_pg import BACKEND_NAME
+
     world = ThreadLocalWorld()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_restored(_c10d, "_world", "_backend", "_default_pg_init_method"))
         stack.enter_context(_restored(sys, "excepthook"))
         stack.enter_context(_restored(dtensor_random, "_rng_tracker"))
-        if propagator is not None:
-            stack.enter_context(_restored(propagator, "_fake_mode_lock"))
-            propagator._fake_mode_lock = threading.Lock()
+        stack.enter_context(compat.serialized_sharding_propagation())
+        stack.enter_context(compat.no_flight_recorder_for(BACKEND_NAME))
         _c10d._world = world
         torch._C._distributed_c10d._set_thread_isolation_mode(True)
         stack.callback(torch._C._distributed_c10d._set_thread_isolation_mode, False)

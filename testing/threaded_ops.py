@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from reffsdp.core import compat
 from reffsdp.core.comms import Collective
 
 RedOpType = dist.ReduceOp.RedOpType
@@ -80,7 +81,7 @@ class ReduceSpec:
         kind = op.op if isinstance(op, dist.ReduceOp) else op
         if kind not in _COMBINE:
             raise ValueError(f"the threaded process group does not implement {kind}")
-        factor = op.factor if kind == RedOpType.PREMUL_SUM else None
+        factor = compat.premul_sum_factor(op) if kind == RedOpType.PREMUL_SUM else None
         return cls(kind, factor)
 
     @property

@@ -36,6 +36,7 @@ from torch._C._distributed_c10d import (
 )
 from torch.utils._python_dispatch import _disable_current_modes
 
+from reffsdp.core import comms, compat
 from reffsdp.testing import comm_counter
 from reffsdp.testing.threaded_ops import Op, RankCall, ReduceSpec, write_results
 from reffsdp.testing.threaded_rendezvous import CollectiveAborted, GroupRendezvous, ThreadedJob
@@ -49,6 +50,12 @@ __all__ = [
 ]
 
 BACKEND_NAME = "threaded"
+
+# The reduce ops besides SUM the group carries out: PREMUL_SUM only where the op's factor can
+# be read (entry 2 of [Note: torch versions] in reffsdp.core.compat).
+_REDUCE_OPS = [dist.ReduceOp.AVG]
+if compat.PREMUL_SUM_FACTOR_READABLE:
+    _REDUCE_OPS.append(dist.ReduceOp.PREMUL_SUM)
 
 
 def _completed_work(outputs: list[torch.Tensor]) -> dist.Work:
@@ -251,7 +258,8 @@ def register_threaded_backend() -> None:
     Re-registering is idempotent; harnesses call it before every run so that another module
     registering a backend of the same name cannot silently take over.
     """
-    plugin = getattr(dist.Backend, "_plugins", {}).get(BACKEND_NAME.upper())
+    comms.register_reduce_ops(BACKEND_NAME, _REDUCE_OPS)
+    plugin = dist.Backend._plugins.get(BACKEND_NAME.upper())
     if plugin is not None and plugin.creator_fn is _create_threaded_group:
         return
     dist.Backend.register_backend(

@@ -52,12 +52,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import comms
+from . import comms, compat
 from .member import GroupMember
 from .mesh import MeshInfo
 from .profiling import in_phase, phase
 from .sharding import pre_post_divide_factors
 from .streams import run_on_stream, wait_event_on_current_stream
+
+AVG = dist.ReduceOp.AVG
 
 # -- all-gather ----------------------------------------------------------------------------
 
@@ -157,13 +159,6 @@ class ReducePlan:
     premul_factor: float | None = None  # the factor inside a PREMUL_SUM op
 
 
-def _supports(group: dist.ProcessGroup, op_name: str) -> bool:
-    backend = dist.get_backend(group)
-    if backend in ("nccl", "threaded", "fake"):
-        return True
-    return backend == "gloo" and op_name == "avg"
-
-
 def plan_reduction(
     mesh_info: MeshInfo,
     reduce_dtype: torch.dtype,
@@ -183,15 +178,16 @@ def plan_reduction(
         if divide_factor is None:
             if dp_size == 1:
                 return ReducePlan(sum_op, sum_op, None, None)
-            if _supports(group, "avg") and (
-                not mesh_info.has_replicate_group or _supports(mesh_info.replicate_group, "avg")
+            if comms.supports_reduce_op(group, AVG) and (
+                not mesh_info.has_replicate_group
+                or comms.supports_reduce_op(mesh_info.replicate_group, AVG)
             ):
                 return ReducePlan(dist.ReduceOp.AVG, dist.ReduceOp.AVG, None, None)
-        elif divide_factor == mesh_info.shard_size and _supports(group, "avg"):
+        elif divide_factor == mesh_info.shard_size and comms.supports_reduce_op(group, AVG):
             return ReducePlan(dist.ReduceOp.AVG, sum_op, None, None)
-        elif _supports(group, "premul_sum"):
+        elif comms.supports_reduce_op(group, dist.ReduceOp.PREMUL_SUM):
             factor = 1.0 / divide_factor
-            return ReducePlan(comms.premul_sum(factor), sum_op, None, None, factor)
+            return ReducePlan(compat.premul_sum(factor), sum_op, None, None, factor)
     factor = divide_factor if divide_factor is not None else dp_size
     if overflow_risk:
         pre, post = pre_post_divide_factors(factor)

@@ -4,12 +4,10 @@ Every all-gather, reduce-scatter, all-reduce and broadcast that reffsdp runs goe
 the functions below. That gives tests a single seam: :func:`intercept` swaps the
 collective one rank issues, without monkeypatching module globals.
 
-[Note: torch versions]
-torch 2.13 adds ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` and deprecates
-``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (they warn, then forward). torch 2.11
-has only the old names. We look the function up on ``torch.distributed`` at call time, the
-new name first, so no deprecation warning reaches users and a test that monkeypatches
-``torch.distributed`` still sees our calls.
+Which torch function carries an all-gather or reduce-scatter depends on the release (entry 1
+of [Note: torch versions] in :mod:`reffsdp.core.compat`); it is looked up on
+``torch.distributed`` at call time, so no deprecation warning reaches users and a test that
+monkeypatches ``torch.distributed`` still sees our calls.
 
 [Note: interception is per rank]
 Interceptors are keyed by the caller's global rank. Under the threaded process group every
@@ -24,11 +22,13 @@ import contextlib
 import enum
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from reffsdp.core import compat
 
 ReduceOp = dist.ReduceOp
 
@@ -51,21 +51,11 @@ class Collective(enum.Enum):
     BROADCAST_OBJECT = "broadcast_object_list"
 
 
-def torch_all_gather() -> Callable[..., Any]:
-    """``dist.all_gather_single`` where torch has it, else ``dist.all_gather_into_tensor``."""
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def torch_reduce_scatter() -> Callable[..., Any]:
-    """``dist.reduce_scatter_single`` where torch has it, else ``dist.reduce_scatter_tensor``."""
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def _torch_collective(kind: Collective) -> Callable[..., Any]:
     if kind is Collective.ALL_GATHER:
-        return torch_all_gather()
+        return compat.all_gather_single()
     if kind is Collective.REDUCE_SCATTER:
-        return torch_reduce_scatter()
+        return compat.reduce_scatter_single()
     if kind is Collective.ALL_REDUCE:
         return dist.all_reduce
     if kind is Collective.BROADCAST:
@@ -75,6 +65,28 @@ def _torch_collective(kind: Collective) -> Callable[..., Any]:
     if kind is Collective.BROADCAST_OBJECT:
         return dist.broadcast_object_list
     raise ValueError(f"reffsdp issues no {kind.value} collective")
+
+
+# Reduce ops besides SUM that a backend carries out, by backend name; see
+# :func:`supports_reduce_op`. gloo has no PREMUL_SUM.
+_REDUCE_OPS: dict[str, frozenset[dist.ReduceOp.RedOpType]] = {
+    "nccl": frozenset({dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM}),
+    "gloo": frozenset({dist.ReduceOp.AVG}),
+}
+
+
+def register_reduce_ops(backend: str, ops: Iterable[dist.ReduceOp.RedOpType]) -> None:
+    """Declare the reduce ops besides SUM that groups of ``backend`` carry out.
+
+    A backend registered outside torch (a test harness's, say) calls this, so that the
+    gradient reduction picks ops it supports. Undeclared backends get SUM only.
+    """
+    _REDUCE_OPS[backend] = frozenset(ops)
+
+
+def supports_reduce_op(group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType) -> bool:
+    """Whether ``group``'s backend carries out ``op`` (``AVG`` or ``PREMUL_SUM``)."""
+    return op in _REDUCE_OPS.get(dist.get_backend(group), frozenset())
 
 
 _interceptors: dict[tuple[Collective, int], Callable[..., Any]] = {}
@@ -170,14 +182,6 @@ def all_gather_object(output: list[Any], obj: Any, group: dist.ProcessGroup | No
 def broadcast_object_list(objects: list[Any], src: int, group: dist.ProcessGroup | None) -> None:
     """Replace ``objects``' items on every rank of the group with global rank ``src``'s."""
     _resolve(Collective.BROADCAST_OBJECT)(objects, src=src, group=group)
-
-
-def premul_sum(factor: float) -> Any:
-    """A pre-multiplied-sum reduce op: every input scaled by ``factor`` then summed."""
-    maker = getattr(dist, "_make_nccl_premul_sum", None)
-    if maker is not None:
-        return maker(factor)
-    return ReduceOp.PREMUL_SUM(factor)
 
 
 class Comm(abc.ABC):

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from reffsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from reffsdp.core import comms
+from reffsdp.core import compat
 from reffsdp.per_param.api import AllGather
 from reffsdp.testing.inputs import random_inputs
 from reffsdp.testing.models import MLPBlocks
@@ -109,7 +109,7 @@ class SleepingAllGather(AllGather):
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         torch.cuda._sleep(self.cycles)
-        all_gather = comms.torch_all_gather()  # dist.all_gather_single on torch 2.13
+        all_gather = compat.all_gather_single()  # dist.all_gather_single on torch 2.13
         return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 

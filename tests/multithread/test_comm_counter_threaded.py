@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from reffsdp.core import comms
+from reffsdp.core import comms, compat
 from reffsdp.core.comms import Collective
 from reffsdp.testing.comm_counter import CommCounter
 from reffsdp.testing.multithread import FSDPTestMultiThread
@@ -41,13 +41,13 @@ class CommCounterTests:
         full = torch.empty(3 * world, device=device)
         expected_full = torch.arange(world, device=device).float().repeat_interleave(3)
         with CommCounter() as counter:
-            dist.all_gather_single(full, shard)
+            compat.all_gather_single()(full, shard)
             torch.testing.assert_close(full, expected_full)
             dist.all_gather_into_tensor(full, shard)
             gathered = [torch.empty(3, device=device) for _ in range(world)]
             dist.all_gather(gathered, shard)
             reduced = torch.empty(3, device=device)
-            dist.reduce_scatter_single(reduced, torch.ones(3 * world, device=device))
+            compat.reduce_scatter_single()(reduced, torch.ones(3 * world, device=device))
             torch.testing.assert_close(reduced, torch.full((3,), float(world), device=device))
             dist.all_reduce(shard)
             dist.broadcast(shard, src=0)
@@ -69,10 +69,10 @@ class CommCounterTests:
 
         def inspecting_all_gather(output, input, group=None, async_op=False):
             seen.append(input.clone())
-            return comms.torch_all_gather()(output, input, group=group, async_op=async_op)
+            return compat.all_gather_single()(output, input, group=group, async_op=async_op)
 
         def halving_reduce_scatter(output, input, op=None, group=None, async_op=False):
-            work = comms.torch_reduce_scatter()(output, input, op=op, group=group)
+            work = compat.reduce_scatter_single()(output, input, op=op, group=group)
             output.div_(2)
             return work
 
@@ -102,10 +102,10 @@ class CommCounterTests:
             CommCounter() as counter,
             observe_all_gathers(lambda output, input, group: patched.append(dist.get_rank())),
         ):
-            dist.all_gather_single(
+            compat.all_gather_single()(
                 torch.empty(3 * world, device=device), torch.ones(3, device=device)
             )
-            dist.reduce_scatter_single(
+            compat.reduce_scatter_single()(
                 torch.empty(3, device=device), torch.ones(3 * world, device=device)
             )
             dist.all_reduce(torch.ones(3, device=device))

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from reffsdp import FSDPModule, fully_shard
+from reffsdp.core import comms
 from reffsdp.core.comms import ReduceOp
 from reffsdp.core.sharding import chunk_rows
 from reffsdp.testing.build import fsdp_modules, reference_and_model, shard_bottom_up
@@ -99,13 +100,14 @@ class GradientChecks:
         # Sharded gradients are sums over ranks divided by `factor`; DDP's are averages.
         ops = self._check_grads_scaled(ref_model, model, self.world_size / factor)
         # Dividing by the world size is an average. Any other factor goes into the
-        # collective as PREMUL_SUM where the backend has it; gloo sums, then divides.
+        # collective as PREMUL_SUM where the backend has it (not gloo, nor the threaded group
+        # before torch 2.13); elsewhere it sums, then divides.
         if factor == self.world_size:
             expected_op = ReduceOp.AVG
-        elif dist.get_backend() == "gloo":
-            expected_op = ReduceOp.SUM
-        else:
+        elif comms.supports_reduce_op(dist.group.WORLD, ReduceOp.PREMUL_SUM):
             expected_op = ReduceOp.PREMUL_SUM
+        else:
+            expected_op = ReduceOp.SUM
         self.assertEqual(ops, [expected_op] * 2 * 3)  # two backwards, three groups
 
     def check_force_sum_reduction_for_comms(self):

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from reffsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-from reffsdp.core import comms
+from reffsdp.core import compat
 from reffsdp.per_param.api import AllGather, ReduceScatter
 from reffsdp.testing.build import fsdp_modules, reference_and_model, shard_bottom_up
 from reffsdp.testing.inputs import random_inputs
@@ -52,14 +52,14 @@ class _CountingComm:
 class CountingAllGather(_CountingComm, AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.calls += 1
-        all_gather = comms.torch_all_gather()  # dist.all_gather_single on torch 2.13
+        all_gather = compat.all_gather_single()  # dist.all_gather_single on torch 2.13
         return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class CountingReduceScatter(_CountingComm, ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.calls += 1
-        reduce_scatter = comms.torch_reduce_scatter()  # dist.reduce_scatter_single on 2.13
+        reduce_scatter = compat.reduce_scatter_single()  # dist.reduce_scatter_single on 2.13
         return reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 

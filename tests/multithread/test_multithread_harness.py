@@ -6,6 +6,8 @@ The failure, skip and timeout cases define small test classes inside the test fu
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -16,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from reffsdp.core.comms import torch_all_gather
-from reffsdp.testing.multithread import FSDPTestMultiThread
+from reffsdp.core.compat import all_gather_single
+from reffsdp.testing.multithread import FSDPTestMultiThread, run_threaded
 
 pytestmark = pytest.mark.multithread
 
@@ -61,7 +63,7 @@ class TestHarnessInterface(FSDPTestMultiThread):
         self.sync_module_states(model)
         flat = torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()])
         everyone = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype)
-        torch_all_gather()(everyone, flat)
+        all_gather_single()(everyone, flat)
         for other in everyone.chunk(self.world_size):
             self.assertTrue(torch.equal(other, flat))
         self.assertTrue(torch.equal(model[1].running_mean, torch.zeros(4)))
@@ -193,3 +195,37 @@ def test_a_rank_blocked_outside_python_is_reported_and_ends_once_it_returns():
     release.set()  # back in Python, the rank raises the exception left pending for it
     late.join(10)
     assert not late.is_alive()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
+def test_rank_threads_are_gone_from_the_os_when_the_run_returns():
+    """[Note: a rank thread ends twice]: nothing of a run's threads outlives it."""
+    native_ids: list[int] = []
+
+    def rank_main(rank: int) -> None:
+        native_ids.append(threading.get_native_id())
+        x = torch.randn(8, 8, requires_grad=True)
+        (x @ x).sum().backward()  # torch 2.12 leaves an object in autograd's thread-locals
+
+    for _ in range(10):
+        run_threaded(rank_main, 4)
+        assert [tid for tid in native_ids if os.path.exists(f"/proc/self/task/{tid}")] == []
+
+
+@pytest.mark.timeout(120)
+def test_a_process_that_ends_right_after_threaded_runs_exits_cleanly(tmp_path):
+    """Rank threads ending during interpreter shutdown aborted the process on torch 2.12
+    (exit status 134) in about one run of seven."""
+    script = tmp_path / "runs.py"
+    script.write_text(
+        "import torch\n"
+        "from reffsdp.testing.multithread import run_threaded\n"
+        "def rank_main(rank):\n"
+        "    x = torch.randn(50, 50, requires_grad=True)\n"
+        "    (x @ x).sum().backward()\n"
+        "for _ in range(5):\n"
+        "    run_threaded(rank_main, 4)\n"
+    )
+    for _ in range(5):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from reffsdp.core import comms
+from reffsdp.core import compat
 from reffsdp.testing.build import shard_bottom_up
 from reffsdp.testing.models import MLPStack, init_deterministic
 from reffsdp.testing.multithread import FSDPTestMultiThread
@@ -53,14 +53,14 @@ def _finished(work: dist.Work | None) -> None:
 def reduce_scatter_sum_not_avg(output, input, op=None, group=None, async_op=False):
     """Wrong divide factor: sum the gradients where the plan averages them."""
     assert op == dist.ReduceOp.AVG, f"this bug needs an AVG reduce-scatter, got {op}"
-    return comms.torch_reduce_scatter()(
+    return compat.reduce_scatter_single()(
         output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
     )
 
 
 def reduce_scatter_scaled(output, input, op=None, group=None, async_op=False):
     """Wrong divide factor whatever the plan: the reduced shard comes back doubled."""
-    work = comms.torch_reduce_scatter()(output, input, op=op, group=group, async_op=async_op)
+    work = compat.reduce_scatter_single()(output, input, op=op, group=group, async_op=async_op)
     _finished(work)
     output.mul_(2)
     return work
@@ -79,7 +79,7 @@ def reduce_scatter_skipped_local(output, input, op=None, group=None, async_op=Fa
 
 def all_gather_missing_peer_copy(output, input, group=None, async_op=False):
     """The gathered buffer misses the last rank's copy: its rows hold garbage."""
-    work = comms.torch_all_gather()(output, input, group=group, async_op=async_op)
+    work = compat.all_gather_single()(output, input, group=group, async_op=async_op)
     _finished(work)
     rows = output.view(dist.get_world_size(group), -1)
     rows[-1].fill_(0.5)
@@ -87,11 +87,11 @@ def all_gather_missing_peer_copy(output, input, group=None, async_op=False):
 
 
 def passthrough_all_gather(output, input, group=None, async_op=False):
-    return comms.torch_all_gather()(output, input, group=group, async_op=async_op)
+    return compat.all_gather_single()(output, input, group=group, async_op=async_op)
 
 
 def passthrough_reduce_scatter(output, input, op=None, group=None, async_op=False):
-    return comms.torch_reduce_scatter()(output, input, op=op, group=group, async_op=async_op)
+    return compat.reduce_scatter_single()(output, input, op=op, group=group, async_op=async_op)
 
 
 @contextlib.contextmanager

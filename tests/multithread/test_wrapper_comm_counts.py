@@ -41,7 +41,7 @@ from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
 
 from reffsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
-from reffsdp.core import comms
+from reffsdp.core import comms, compat
 from reffsdp.core.comms import Collective
 from reffsdp.testing.build import wrap_blocks
 from reffsdp.testing.comm_counter import CommCounter
@@ -287,7 +287,7 @@ class TestWrapperGradientsLikeTorch(FSDPTestMultiThread):
             ops.append(op)
             return reduce_scatter(output, input, group=group, op=op, async_op=async_op)
 
-        reduce_scatter = comms.torch_reduce_scatter()
+        reduce_scatter = compat.reduce_scatter_single()
         with comms.intercept(RS, record_op):
             actual = self.full_grads(ours, FullyShardedDataParallel.summon_full_params)
         self.assertEqual(ops, [dist.ReduceOp.SUM] * 4)  # one per instance, as torch's

@@ -14,7 +14,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from reffsdp.core import comms
+from reffsdp.core import comms, compat
 from reffsdp.core.comms import Collective
 from reffsdp.testing.comm_counter import CommCounter, counted_op_names, record_collective
 from reffsdp.testing.fake_pg import fake_process_group
@@ -45,13 +45,13 @@ def test_counted_op_names_exist_on_this_torch() -> None:
 def test_torch_distributed_calls(group) -> None:
     shard, full = torch.ones(3), torch.ones(3 * WORLD_SIZE)
     with CommCounter() as counter:
-        dist.all_gather_single(full, shard)
+        compat.all_gather_single()(full, shard)
         with warnings.catch_warnings():  # the pre-2.13 names warn on torch 2.13
             warnings.simplefilter("ignore", FutureWarning)
             dist.all_gather_into_tensor(full, shard)
             dist.reduce_scatter_tensor(shard, full)
         dist.all_gather([torch.empty(3) for _ in range(WORLD_SIZE)], shard)
-        dist.reduce_scatter_single(shard, full)
+        compat.reduce_scatter_single()(shard, full)
         dist.all_reduce(shard)
         dist.broadcast(shard, src=0)
         dist.all_to_all_single(torch.empty(8), torch.ones(8))
@@ -146,7 +146,7 @@ def test_patches_see_and_alter_reffsdp_collectives(group) -> None:
 
     def doubled_all_gather(output, input, group=None, async_op=False):
         calls.append(("all_gather", tuple(output.shape), tuple(input.shape)))
-        work = comms.torch_all_gather()(output, input, group=group, async_op=async_op)
+        work = compat.all_gather_single()(output, input, group=group, async_op=async_op)
         output.mul_(2)
         return work
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from reffsdp import (
     CPUOffloadPolicy,
@@ -157,8 +157,9 @@ def test_dtensor_param_replaced_before_first_forward_as_torch(mesh1):
     fully_shard(lin, mesh=mesh1)
     torch_fully_shard(ref, mesh=mesh1)
     new_weight = torch.randn(3, 4)
-    lin.weight = nn.Parameter(distribute_tensor(new_weight, mesh1, [Shard(0)]))
-    ref.weight = nn.Parameter(distribute_tensor(new_weight, mesh1, [Shard(0)]))
+    # from_local, not distribute_tensor: no collective, whose numbers are fake here.
+    lin.weight = nn.Parameter(DTensor.from_local(new_weight.clone(), mesh1, [Shard(0)]))
+    ref.weight = nn.Parameter(DTensor.from_local(new_weight.clone(), mesh1, [Shard(0)]))
     x = torch.randn(2, 4)
     expected = F.linear(x, new_weight, ref.bias.to_local())
     out, ref_out = lin(x), ref(x)

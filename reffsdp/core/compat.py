@@ -1,0 +1,205 @@
+"""What differs between the torch releases reffsdp supports, decided here once.
+
+reffsdp runs on every torch from 2.11 to 2.15. Where those releases differ in something
+reffsdp or its testing package touches, this module owns the difference: every other module
+asks a function here instead of comparing versions or probing torch with ``hasattr``. Each
+entry names the releases on each side.
+
+[Note: torch versions]
+
+====  =================================================================  =======  =======
+ #    difference                                                         before   from
+====  =================================================================  =======  =======
+ 1    ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` (the   --       2.13
+      older ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` warn
+      from 2.13 on)
+ 2    a ``PREMUL_SUM`` ``ReduceOp`` shows its factor (``op.factor``)     --       2.13
+ 3    DTensor serializes its fake-tensor propagation through a lock a   --       2.12
+      threaded run can switch on (``ShardingPropagator._fake_mode_lock``);
+      on 2.11 a CUDA build with no GPU crashes threads that enter a fake
+      mode while others compute, unless the CUDA guard is set up first
+ 4    ``init_process_group`` attaches a flight-recorder hook to every   --       2.15
+      new group, which a Python-only group cannot take
+ 5    ``fully_shard`` with ``reduce_dtype=None`` reduces gradients in    param    grad
+      the parameter's gradient dtype, no longer in ``param_dtype``       dtype    dtype
+                                                                         (2.14)   (2.15)
+ 6    the C++ ``FakeProcessGroup``'s reduce-scatter writes this rank's   --       2.13
+      chunk of the input to the output (before, the output is left as
+      it was)
+====  =================================================================  =======  =======
+
+The tests import :data:`TORCH_VERSION` to compare with the installed torch's own behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _parse_version(text: str) -> tuple[int, int]:
+    """``"2.13.0+cpu"`` -> ``(2, 13)``.
+
+    >>> _parse_version("2.15.0+cu132"), _parse_version("2.12.1")
+    ((2, 15), (2, 12))
+    """
+    major, minor = text.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+TORCH_VERSION: tuple[int, int] = _parse_version(torch.__version__)
+"""The installed torch's (major, minor) release."""
+
+OLDEST_SUPPORTED = (2, 11)
+NEWEST_TESTED = (2, 15)
+
+
+# 1. Collective names. -----------------------------------------------------------------------
+
+
+def all_gather_single() -> Callable[..., Any]:
+    """``dist.all_gather_single`` (2.13+), else ``dist.all_gather_into_tensor``.
+
+    Looked up on ``torch.distributed`` at each call, so a test that patches the module still
+    sees reffsdp's calls.
+    """
+    if TORCH_VERSION >= (2, 13):
+        return dist.all_gather_single
+    return dist.all_gather_into_tensor
+
+
+def reduce_scatter_single() -> Callable[..., Any]:
+    """``dist.reduce_scatter_single`` (2.13+), else ``dist.reduce_scatter_tensor``."""
+    if TORCH_VERSION >= (2, 13):
+        return dist.reduce_scatter_single
+    return dist.reduce_scatter_tensor
+
+
+# 2. PREMUL_SUM. ---------------------------------------------------------------------------
+
+
+PREMUL_SUM_FACTOR_READABLE = TORCH_VERSION >= (2, 13)
+"""Whether a ``PREMUL_SUM`` op carries its factor where Python can read it (entry 2).
+
+Before 2.13 the factor lives only inside the C++ op, so a process group written in Python
+cannot carry out ``PREMUL_SUM``."""
+
+
+def premul_sum(factor: float) -> dist.ReduceOp:
+    """A pre-multiplied-sum reduce op: every input scaled by ``factor``, then summed."""
+    return dist._make_nccl_premul_sum(factor)
+
+
+def premul_sum_factor(op: dist.ReduceOp) -> float | torch.Tensor:
+    """The factor of a ``PREMUL_SUM`` op; ``NotImplementedError`` before torch 2.13."""
+    if not PREMUL_SUM_FACTOR_READABLE:
+        raise NotImplementedError(
+            f"torch {torch.__version__} does not expose a PREMUL_SUM op's factor to Python "
+            "(torch 2.13 and newer do), so a Python process group cannot apply it"
+        )
+    return op.factor
+
+
+# 3. DTensor's sharding propagation under threads. ----------------------------------------------
+
+
+@contextlib.contextmanager
+def serialized_sharding_propagation() -> Iterator[None]:
+    """Make DTensor's shape propagation safe for several threads at once (entry 3).
+
+    DTensor works out an op's output shape by running the op under a ``FakeTensorMode``.
+    Two things in that step are not safe to run from several threads:
+
+    * entering the mode registers a no-op device guard for CUDA when a CUDA build of torch
+      runs without a GPU (``torch._C._ensureCUDADeviceGuardSet``). On torch 2.11 that crashed
+      threaded runs (SIGSEGV inside the registration while other rank threads computed),
+      even with the step below serialized. Registering it here, before any rank thread
+      starts, leaves the threads nothing to register.
+    * two threads inside fake modes at once. From 2.12, DTensor reads an opt-in lock class
+      attribute around the step; before, the step itself is wrapped. Only that step is
+      serialized, not whole ops.
+
+    Call it from the thread that starts the rank threads.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator as propagator
+
+    torch._C._ensureCUDADeviceGuardSet()
+    lock = threading.Lock()
+    if TORCH_VERSION >= (2, 12):
+        name, replacement = "_fake_mode_lock", lock
+    else:
+        name = "_propagate_tensor_meta_non_cached"
+        unlocked = propagator.__dict__[name]
+
+        def replacement(self: Any, op_schema: Any) -> Any:
+            with lock:
+                return unlocked(self, op_schema)
+
+    saved = propagator.__dict__[name]
+    setattr(propagator, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(propagator, name, saved)
+
+
+# 4. The flight recorder. --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def no_flight_recorder_for(backend: str) -> Iterator[None]:
+    """Keep torch 2.15's flight-recorder hook off groups of ``backend`` (entry 4).
+
+    ``init_process_group`` attaches the hook to every new group unless all of the group's
+    backends record for themselves. The hook files its entries under the group's C++ name,
+    which a group implemented in Python does not have, so attaching it raises
+    ``ProcessGroup name not set``. Listing ``backend`` as self-recording skips the hook
+    for its groups only. Earlier torch attaches no hook: nothing to do.
+    """
+    if TORCH_VERSION < (2, 15):
+        yield
+        return
+    skip = dist.distributed_c10d._FR_SELF_RECORDING_BACKENDS
+    added = backend not in skip
+    skip.add(backend)
+    try:
+        yield
+    finally:
+        if added:
+            skip.discard(backend)
+
+
+# 5. The default gradient-reduction dtype of fully_shard. -------------------------------------
+
+
+def fully_shard_default_reduce_dtype(
+    param_dtype: torch.dtype | None, grad_dtype: torch.dtype
+) -> torch.dtype:
+    """The dtype ``fully_shard`` reduces a gradient in when ``reduce_dtype`` is not set.
+
+    ``param_dtype`` is the parameter's compute cast (the policy's, or what its
+    ``param_dtype_override_fn`` chose; ``None``: no cast), ``grad_dtype`` the sharded
+    parameter's gradient dtype (its own dtype). Up to torch 2.14 gradients are reduced in
+    the dtype they were computed in, ``param_dtype``; from 2.15 in ``grad_dtype`` (entry 5).
+    It is also the dtype gradients are kept in while gradient sync is off. Asked by
+    ``ShardedParam.lazy_init`` (``reffsdp/per_param/sharded_param.py``). The wrapper API
+    keeps reducing in ``param_dtype`` on every release, as torch's does.
+
+    >>> import torch
+    >>> fully_shard_default_reduce_dtype(None, torch.float32)
+    torch.float32
+    """
+    if param_dtype is None or TORCH_VERSION >= (2, 15):
+        return grad_dtype
+    return param_dtype
+
+
+# 6. The fake process group. ------------------------------------------------------------------
+
+FAKE_REDUCE_SCATTER_WRITES_OUTPUT = TORCH_VERSION >= (2, 13)
+"""Whether the fake group's reduce-scatter fills its output (entry 6); it never reduces."""
