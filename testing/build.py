@@ -12,9 +12,11 @@ The reference is copied *before* sharding, since ``fully_shard`` changes the mod
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from reffsdp import FSDPModule, FullyShardedDataParallel, fully_shard
@@ -23,6 +25,21 @@ from reffsdp.wrap import ModuleWrapPolicy
 from .parity import broadcast_params_from_rank0
 
 _Module = TypeVar("_Module", bound=nn.Module)
+
+# One build at a time in this process: threaded ranks share torch's global RNG.
+_build_lock = threading.Lock()
+
+
+def build_seeded(factory: Callable[[], _Module], seed: int) -> _Module:
+    """``factory()`` run with torch's RNG seeded with ``seed``: the same model every time.
+
+    Builds run one at a time, so under the threaded harness no other rank draws from the
+    shared RNG in between, and every rank (and every run) gets the same weights. The
+    caller's RNG state is restored afterwards.
+    """
+    with _build_lock, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return factory()
 
 
 def reference_and_model(model: _Module) -> tuple[_Module, _Module]:

@@ -128,6 +128,7 @@ class ScenarioResult:
     expected_counts: dict[str, float] = dataclasses.field(default_factory=dict)
     bytes_per_step: int | None = None  # bytes sent per rank per step, measured
     min_bytes_per_step: int | None = None  # the analytic minimum
+    losses: list[float] = dataclasses.field(default_factory=list)  # rank 0's, per step
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -253,23 +254,30 @@ def run_scenario(
     if spec.skip:
         result.status, result.message = "skipped", spec.skip
         return result
-    torch.manual_seed(seed)
+    # No torch.manual_seed here: under threaded ranks it would reseed the RNG another rank
+    # is building from. Models are built seeded, one at a time (testing.build.build_seeded).
     built = build_scenario(spec, device, seed=seed)
     tally = CommTally()
     trained_steps = steps
     diffs: ParityDiffs | None = None
     try:
         if built.reload is None:
-            diffs = _train(built, built.model, built.ref_model, steps, tally).diffs
+            trained = _train(built, built.model, built.ref_model, steps, tally)
+            diffs = trained.diffs
+            result.losses = list(trained)
         else:
             import copy
 
             before, after = _state_dict_phases(steps)
             trained_steps = before + after
-            diffs = _train(built, built.model, built.ref_model, before, tally).diffs
+            trained = _train(built, built.model, built.ref_model, before, tally)
+            diffs = trained.diffs
+            result.losses = list(trained)
             fresh = built.reload(built.model)
             ref_model = copy.deepcopy(built.ref_model)
-            diffs = _merge(diffs, _train(built, fresh, ref_model, after, tally).diffs)
+            trained = _train(built, fresh, ref_model, after, tally)
+            diffs = _merge(diffs, trained.diffs)
+            result.losses += list(trained)
     except AssertionError as error:
         if not hasattr(error, "parity"):  # not the checker's (agreed) verdict: a crash
             raise

@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .build import build_seeded
 from .expected_comms import CommUnit, StepShape, fully_shard_units, wrapper_units
 from .inputs import random_inputs, random_tokens
 from .models import (
@@ -242,17 +243,17 @@ def _make_mesh(mesh: str, device_type: str, api: str) -> _Mesh:
     return _Mesh(full["dp_replicate", "dp_shard"], full["tp"], world_size // 4, 2, {})
 
 
-def _same_on_every_rank(model: nn.Module, seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    broadcast_params_from_rank0(model)
+def _same_on_every_rank(factory: Callable[[], nn.Module], seed: int, device) -> nn.Module:
+    model = build_seeded(factory, seed).to(device)
+    broadcast_params_from_rank0(model)  # a factory may still draw from elsewhere
     return model
 
 
 def _new_model(spec: ScenarioSpec, device: torch.device, seed: int) -> nn.Module:
-    """The unsharded model, identical on every rank (``seed`` varies it)."""
+    """The unsharded model, identical on every rank and in every run (``seed`` varies it)."""
     tp = spec.mesh in TP_MESHES
     if spec.custom is not None:
-        return _same_on_every_rank(spec.custom.model_factory().to(device), seed)
+        return _same_on_every_rank(spec.custom.model_factory, seed, device)
     if spec.model == "mlp":
         dim = TP_DIM if tp else MLP_DIM
         if spec.feature == "tied":
@@ -260,7 +261,7 @@ def _new_model(spec: ScenarioSpec, device: torch.device, seed: int) -> nn.Module
         elif spec.feature == "ckpt":
             model = CheckpointedMLPStack(dim)
         elif spec.feature == "bf16" and tp:  # default init: activations of order 1
-            return _same_on_every_rank(SmoothMLPStack(dim).to(device), seed)
+            return _same_on_every_rank(lambda: SmoothMLPStack(dim), seed, device)
         else:
             model = MLPStack(dim)
         return init_deterministic(model, seed).to(device)
@@ -269,8 +270,8 @@ def _new_model(spec: ScenarioSpec, device: torch.device, seed: int) -> nn.Module
             weight_tying=spec.feature == "tied",
             checkpoint_activations=spec.feature == "ckpt",
         )
-        return _same_on_every_rank(Transformer(args).to(device), seed)
-    return _same_on_every_rank(ConvNet(width=4).to(device), seed)
+        return _same_on_every_rank(lambda: Transformer(args), seed, device)
+    return _same_on_every_rank(lambda: ConvNet(width=4), seed, device)
 
 
 def _inputs(spec: ScenarioSpec, device: torch.device) -> Callable[[int, int], Any]:

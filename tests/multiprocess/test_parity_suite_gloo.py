@@ -13,6 +13,7 @@ SUBSET = (
     "fully_shard/2d/fp32/mlp",
     "fully_shard/3d/fp32/mlp",
     "wrapper/hsdp/bf16/convnet",
+    "wrapper/hsdp/tied/transformer",
 )
 
 
@@ -29,3 +30,13 @@ def test_subset_over_gloo_processes():
         assert result.counts == result.expected_counts, result.name
         assert result.bytes_per_step == result.min_bytes_per_step, result.name
         assert result.world_size == 4 and result.seconds > 0
+    # The same seed gives the same numbers, bit for bit.
+    (again,) = run_suite(
+        SuiteOptions(backend="gloo", world_size=4, only=("wrapper/hsdp/tied/transformer",))
+    )
+    first = by_name["wrapper/hsdp/tied/transformer"]
+    assert (again.losses, again.max_loss_diff, again.max_grad_diff) == (
+        first.losses,
+        first.max_loss_diff,
+        first.max_grad_diff,
+    )
