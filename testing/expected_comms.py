@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from reffsdp.core import compat
 from reffsdp.core.comms import Collective
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
@@ -155,6 +156,8 @@ def fully_shard_units(
             continue
         dtype = params[0].dtype
         gather_dtype = param_dtype or dtype
+        # Unset, the reduce dtype follows the installed torch (compat entry 5).
+        reduce_as = reduce_dtype or compat.fully_shard_default_reduce_dtype(param_dtype, dtype)
         units.append(
             CommUnit(
                 name=type(modules[index]).__name__,
@@ -163,7 +166,7 @@ def fully_shard_units(
                     padded_numel(_local_shape(p), shard_size) for p in params if p.requires_grad
                 ),
                 gather_itemsize=gather_dtype.itemsize,
-                reduce_itemsize=(reduce_dtype or gather_dtype).itemsize,
+                reduce_itemsize=reduce_as.itemsize,
                 reshard_after_forward=rf,
             )
         )

@@ -9,14 +9,19 @@ At lazy init each member resolves its dtypes: ``param_dtype`` is dropped when it
 the member's own dtype (or the member is not floating point) and ``reduce_dtype`` is
 dropped when it equals the compute dtype. The all-gather input is the shard cast to the
 compute dtype (a new tensor, made before copy-in), so the optimizer only ever sees the
-original-dtype shards. Reductions run in ``reduce_dtype`` (or the gradient dtype) and each
-member casts its reduced chunk back to the original dtype. Trainable members of one group
-must agree on both dtypes, since they travel in one collective.
+original-dtype shards. Trainable members of one group must share their original dtype.
+
+A member's gradient is reduced, and kept while gradient sync is off, in its ``reduce_dtype``
+or else its compute dtype. Members of one group may disagree (a member that computes in its
+own dtype while the others compute in ``param_dtype``): one collective carries them all, in
+the promoted dtype of the members reduced (fp32 for bf16 and fp32), each gradient cast to it
+first. Each member casts its reduced chunk back to its original dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +90,12 @@ class ParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: AllGatherResult | None = None
         self._partial_reduce = collectives.PartialReduce()
+        # HSDP: the last reduction issued parks its output in ``_partial_reduce`` (all-reduce
+        # off), where it waits for a later backward's all-reduce.
+        self._partial_reduce_pending = False
+        # Gradients left to reduce (or keep) when backward is finalized: kept while
+        # gradient sync was off, or left by a final callback under manual finalization.
+        self._post_backward_pending = False
         self._initialized = False
 
     def __repr__(self) -> str:
@@ -127,14 +138,12 @@ class ParamGroup:
                 f"forward: {meta}. Materialize them first, e.g. module.to_empty(device=...) "
                 "followed by reset_parameters()."
             )
-        trainable = [m for m in self.members if m.requires_grad]
-        for attr in ("orig_dtype", "reduce_dtype"):
-            values = {getattr(m, attr) for m in trainable}
-            if len(values) > 1:
-                raise AssertionError(
-                    f"{self.name}: trainable parameters of one group must share {attr}, "
-                    f"got {sorted(map(str, values))}; put them in separate groups"
-                )
+        orig_dtypes = {m.orig_dtype for m in self.members if m.requires_grad}
+        if len(orig_dtypes) > 1:
+            raise AssertionError(
+                f"{self.name}: trainable parameters of one group must share orig_dtype, "
+                f"got {sorted(map(str, orig_dtypes))}; put them in separate groups"
+            )
         self._initialized = True
 
     # -- unshard / reshard --------------------------------------------------------------
@@ -249,10 +258,21 @@ class ParamGroup:
             self.unshard()
             self.wait_for_unshard()
 
+    @property
+    def post_backward_pending(self) -> bool:
+        """Whether gradients wait to be reduced (or kept) when backward is finalized."""
+        return self._post_backward_pending
+
+    @property
+    def partial_reduce_pending(self) -> bool:
+        """HSDP with the all-reduce off: reduced shards wait for a later all-reduce."""
+        return self._partial_reduce_pending
+
     def post_backward(self) -> None:
         """Reduce this backward's gradients (or keep them, with gradient sync off)."""
         self._transition(TrainingState.POST_BACKWARD)
         settings = self.settings
+        self._post_backward_pending = not settings.reduce_grads
         if not settings.reduce_grads:
             for member in self.members:
                 member.keep_unsharded_grad()
@@ -275,23 +295,24 @@ class ParamGroup:
             if max_pending is None:
                 max_pending = 0 if self.device.type == "cpu" else 1
             self.comm_ctx.make_room_for_reduce(max_pending)
+            spec = self._reduce_spec(members, grads)
+            if len({g.dtype for g in grads}) > 1:  # see [Note: mixed precision]
+                grads[:] = [g.to(spec.reduce_dtype) for g in grads]
+            self._partial_reduce_pending = self.mesh_info.has_replicate_group and not (
+                spec.all_reduce or spec.custom_reduction is not None
+            )
             self.comm_ctx.add_pending_reduce(
-                collectives.foreach_reduce(members, grads, self._reduce_spec(members, grads)),
-                max_pending,
+                collectives.foreach_reduce(members, grads, spec), max_pending
             )
 
     def _reduce_spec(self, members: list[GroupMember], grads: list[torch.Tensor]) -> ReduceSpec:
         settings = self.settings
         custom = settings.custom_reduction
-        reduce_dtype = members[0].reduce_dtype or grads[0].dtype
+        # See [Note: mixed precision]: one dtype for all, the promoted one.
+        dtypes = {m.reduce_dtype or m.compute_dtype for m in members}
+        reduce_dtype = functools.reduce(torch.promote_types, dtypes)
         if custom is not None and not custom.cast_to_reduce_dtype:
             reduce_dtype = grads[0].dtype
-        dtypes = {g.dtype for g in grads}
-        if len(dtypes) > 1 and members[0].reduce_dtype is None:
-            raise AssertionError(
-                f"{self!r}: gradients of one reduction must share a dtype, got "
-                f"{sorted(map(str, dtypes))}"
-            )
         if custom is not None:  # it divides, if at all (see [Note: custom reductions])
             plan = collectives.ReducePlan(dist.ReduceOp.SUM, dist.ReduceOp.SUM, None, None)
         else:
@@ -314,16 +335,30 @@ class ParamGroup:
             custom_reduction=custom,
         )
 
-    def end_backward(self) -> None:
+    def end_backward(self, *, defer_reduction: bool = False) -> None:
         """In the final callback: reduce if backward used us but never left us, then idle.
 
         A group whose inputs need no gradient never sees its post-backward hook (e.g. the
-        first block, or the root), yet its parameters got gradients.
+        first block, or the root), yet its parameters got gradients. With
+        ``defer_reduction`` (the caller finalizes backward itself) such a reduction waits
+        for :meth:`finish_deferred_backward` instead, parameters still unsharded.
         """
         if self._training_state is TrainingState.PRE_BACKWARD or (
             self._training_state is TrainingState.IDLE and self.is_unsharded
         ):
+            if defer_reduction and self.settings.reduce_grads:
+                self._post_backward_pending = True
+            else:
+                self.post_backward()
+        self._transition(TrainingState.IDLE)
+
+    def finish_deferred_backward(self) -> None:
+        """When the caller finalizes backward: run the post-backward left pending (reduce
+        per the current settings), else reshard if the settings say so; then idle."""
+        if self._post_backward_pending:
             self.post_backward()
+        elif self.settings.reshard_after_backward:
+            self.reshard()
         self._transition(TrainingState.IDLE)
 
     def finalize_backward(self) -> None:
@@ -336,19 +371,33 @@ class ParamGroup:
         for member in self.members:
             member.discard_grads()
         self._partial_reduce = collectives.PartialReduce()
+        self._partial_reduce_pending = False
+        self._post_backward_pending = False
         self._transition(TrainingState.IDLE)
 
 
-def end_backward(groups: list[ParamGroup], comm_ctx: CommContext, *, last: bool = True) -> None:
+def end_backward(
+    groups: list[ParamGroup],
+    comm_ctx: CommContext,
+    *,
+    last: bool = True,
+    defer_reductions: bool = False,
+) -> None:
     """The root's final callback, for every group under it.
 
-    Each group reduces what backward used but never finished, then goes idle. After the
-    last backward of the step (``last``), wait for every reduction in flight and drop
-    prefetches nobody consumed, so the optimizer sees every gradient.
+    Each group reduces what backward used but never finished (or, with
+    ``defer_reductions``, leaves it for the caller's finalization), then goes idle. After
+    the last backward of the step (``last``), :func:`finish_backward`.
     """
     for group in groups:
-        group.end_backward()
+        group.end_backward(defer_reduction=defer_reductions)
     if last:
-        comm_ctx.complete_reduces()
-        for group in groups:
-            group.finalize_backward()
+        finish_backward(groups, comm_ctx)
+
+
+def finish_backward(groups: list[ParamGroup], comm_ctx: CommContext) -> None:
+    """End of the step's backward: wait for every reduction in flight and drop prefetches
+    nobody consumed, so the optimizer sees every gradient."""
+    comm_ctx.complete_reduces()
+    for group in groups:
+        group.finalize_backward()

@@ -19,7 +19,13 @@ from torch.distributed.tensor import Shard
 from ..core.compile_support import mark_fsdp_managed
 from ..core.mesh import MeshInfo
 from ..core.param_group import GroupSettings, ParamGroup
-from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .api import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    param_dtype_override,
+)
 from .mesh import default_mesh, device_for, mesh_info_for, spmd_mesh_info
 from .module import FSDPModule
 from .sharded_param import ShardedParam, unique_params
@@ -73,7 +79,7 @@ def fully_shard(
     managed = _managed_modules(modules)
     ignored = {id(p) for p in ignored_params or ()}
     sharded = _shard_params(
-        modules, managed, ignored, mesh_info, device, shard_placement_fn, offload_policy
+        modules, managed, ignored, mesh_info, device, shard_placement_fn, offload_policy, mp_policy
     )
     _move_buffers(managed, device)
     group = None
@@ -233,7 +239,7 @@ def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
 
 
 def _shard_params(
-    roots, managed, ignored, mesh_info, device, shard_placement_fn, offload_policy
+    roots, managed, ignored, mesh_info, device, shard_placement_fn, offload_policy, mp_policy
 ) -> list[ShardedParam]:
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     pin_memory = offload and offload_policy.pin_memory
@@ -258,6 +264,7 @@ def _shard_params(
             name=name,
             offload=offload,
             pin_memory=pin_memory,
+            param_dtype_override=param_dtype_override(mp_policy, param),
         )
         sharded.append(sharded_param)
     # Register the sharded parameters only once every parameter passed its checks, so an

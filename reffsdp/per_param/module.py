@@ -18,6 +18,8 @@ import torch.nn as nn
 from ..core import comms
 from ..core.param_group import ParamGroup
 from ..core.runtime import CommContext
+from . import finalization
+from .finalization import AsyncFinalization
 from .state import FSDPState, state_of
 
 
@@ -36,6 +38,26 @@ class _GroupUnshardHandle(UnshardHandle):
         for group in self._groups:
             group.wait_for_unshard()
         self._groups = []
+
+
+class GradientReductionHandle:
+    """Returned by ``FSDPModule.finalize_backward(async_op=True)``; ``wait()`` finishes the
+    gradient reductions and ends the backward iteration (``RuntimeError`` if
+    ``reset_iter_state()`` dropped them since)."""
+
+    def wait(self) -> None:
+        return None
+
+
+class _StateGradientReductionHandle(GradientReductionHandle):
+    def __init__(self, state: FSDPState, pending: AsyncFinalization) -> None:
+        self._state: FSDPState | None = state
+        self._pending = pending
+
+    def wait(self) -> None:
+        if self._state is not None:  # a second wait() has nothing left to do
+            finalization.wait(self._state, self._pending)
+            self._state = None
 
 
 class FSDPModule:
@@ -92,9 +114,20 @@ class FSDPModule:
         return None
 
     def reshard(self) -> None:
-        """Free the unsharded parameters and register the sharded ones (this module only)."""
+        """Register the sharded parameters and free the unsharded storage (this module
+        only), unless ``set_keep_unsharded_storage(True)`` asked to keep it."""
         for group in self._groups():
             group.reshard()
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Keep the unsharded parameters' storage when resharding, so their data pointers
+        stay the same from one unshard to the next (e.g. for CUDA graphs), at the cost of
+        holding that memory (see [Note: tensor lifecycle] in ``sharded_param``)."""
+        _check_bool("set_keep_unsharded_storage", keep=keep, recurse=recurse)
+        for module in self._fsdp_modules(recurse):
+            for group in module._groups():
+                for param in group.members:
+                    param.keep_unsharded_storage = keep
 
     def reset_iter_state(self) -> None:
         """On the root, after an exception in forward/backward: reshard and drop partial grads."""
@@ -115,6 +148,32 @@ class FSDPModule:
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         _check_bool("set_is_last_backward", is_last_backward=is_last_backward)
         self._get_fsdp_state().ctx.is_last_backward = is_last_backward
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """On the root: the caller ends each backward iteration with :meth:`finalize_backward`
+        instead of the end of autograd's backward (which ``set_is_last_backward`` steers).
+
+        Set it before backward starts; see [Note: manual backward finalization] in
+        ``reffsdp/per_param/finalization.py``.
+        """
+        _check_bool("set_manual_backward_finalization", enabled=enabled)
+        finalization.set_mode(self._get_fsdp_state(), enabled)
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """On the root, after the step's backward passes: reduce what is pending, reshard,
+        wait for the reductions and end the iteration (manual finalization only).
+
+        With ``async_op=True`` the wait is left to the returned handle; call its ``wait()``
+        before reading gradients or running forward again. A no-op before the first forward.
+        """
+        _check_bool("finalize_backward", async_op=async_op)
+        state = self._get_fsdp_state()
+        pending = finalization.finalize(state, async_op=async_op)
+        if not async_op:
+            return None
+        if pending is None:
+            return GradientReductionHandle()
+        return _StateGradientReductionHandle(state, pending)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """Turn reduce-scatter (and HSDP all-reduce) on or off, e.g. for microbatches."""
@@ -327,5 +386,11 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
         module._get_fsdp_state().adopt_comm_ctx(shared)
 
 
-for _obj in (FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx):
+for _obj in (
+    FSDPModule,
+    GradientReductionHandle,
+    UnshardHandle,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+):
     _obj.__module__ = "reffsdp"

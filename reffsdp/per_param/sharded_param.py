@@ -22,6 +22,11 @@ For each original parameter we keep:
 * ``unsharded_param``: an ``nn.Parameter`` viewing ``gathered`` (dim 0 sharding; for other
   dims, a separate buffer the rank blocks are concatenated into). Built once.
 
+With ``keep_unsharded_storage`` (``FSDPModule.set_keep_unsharded_storage``) resharding keeps
+the storage of ``gathered`` (and of the dim > 0 buffer): the next unshard gathers into the
+same memory, so the unsharded parameter's data pointer never changes (what CUDA graph
+capture needs), at the cost of holding the unsharded bytes between uses.
+
 Writes into ``gathered`` go through ``.data``: that alias has its own version counter, so
 re-gathering in backward does not make autograd reject tensors it saved in forward.
 """
@@ -39,6 +44,7 @@ from torch.distributed.tensor import DTensor
 # cheap way to wrap a gradient (see ``ShardedParam._to_dtensor``).
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ..core.compat import fully_shard_default_reduce_dtype
 from ..core.member import GroupMember, resolve_dtypes, with_storage
 from ..core.mesh import MeshInfo
 from ..core.sharding import ShardLayout, contiguous_strides, shard_tensor, unshard_from_gathered
@@ -101,6 +107,7 @@ class ShardedParam(GroupMember):
         name: str | None = None,
         offload: bool = False,
         pin_memory: bool = False,
+        param_dtype_override: torch.dtype | None = None,
     ) -> None:
         self.refs = refs
         # How messages name the parameter: its path under the module given to fully_shard,
@@ -127,8 +134,13 @@ class ShardedParam(GroupMember):
             local_param.size(), self.shard_dim, mesh_info.shard_size, mesh_info.shard_rank
         )
         self.orig_dtype = param.dtype
+        # What ``MixedPrecisionPolicy.param_dtype_override_fn`` chose for this parameter
+        # instead of the policy's ``param_dtype`` (None: the policy's).
+        self.param_dtype_override = param_dtype_override
         self.param_dtype: torch.dtype | None = None
         self.reduce_dtype: torch.dtype | None = None
+        # Resharding keeps the unsharded storage (see [Note: tensor lifecycle]).
+        self.keep_unsharded_storage = False
         self.gathered: torch.Tensor | None = None
         self.unsharded_param: nn.Parameter | None = None
         self._unsharded_data: torch.Tensor | None = None
@@ -283,9 +295,20 @@ class ShardedParam(GroupMember):
 
     def lazy_init(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
         """Re-pad the shard if something replaced it, then resolve mixed precision (see
-        [Note: mixed precision] in ``param_group``): drop casts that would be no-ops."""
+        [Note: mixed precision] in ``param_group``).
+
+        ``param_dtype`` and ``reduce_dtype`` are the policy's. This parameter computes in
+        its override, if it has one; without a policy ``reduce_dtype`` it reduces in the
+        installed torch's default (entry 5 of [Note: torch versions] in ``compat``). Casts
+        that would be no-ops are dropped.
+        """
         self.reset_sharded_param()
         self.orig_dtype = self.padded_shard.dtype
+        if self.param_dtype_override is not None:
+            param_dtype = self.param_dtype_override
+        if reduce_dtype is None:
+            compute_cast, _ = resolve_dtypes(self.orig_dtype, param_dtype, None)
+            reduce_dtype = fully_shard_default_reduce_dtype(compute_cast, self.orig_dtype)
         self.param_dtype, self.reduce_dtype = resolve_dtypes(
             self.orig_dtype, param_dtype, reduce_dtype
         )
@@ -389,7 +412,8 @@ class ShardedParam(GroupMember):
     def to_sharded(self) -> None:
         for ref in self.refs:
             ref.set(self.sharded_param)
-        self.free_unsharded()
+        if not self.keep_unsharded_storage:
+            self.free_unsharded()
         self.post_forward_shard = None
 
     def to_sharded_post_forward(self, rank: int, world_size: int) -> None:
@@ -409,7 +433,8 @@ class ShardedParam(GroupMember):
         self.keep_post_forward_shard(rank, world_size)
         for ref in self.refs:
             ref.set(self.sharded_param)
-        self.free_unsharded()
+        if not self.keep_unsharded_storage:
+            self.free_unsharded()
 
     def to_unsharded(self) -> None:
         assert self.unsharded_param is not None, "to_unsharded() before an all-gather finished"

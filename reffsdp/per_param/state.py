@@ -21,7 +21,9 @@ forward:  pre-forward (unshard, wait) -> module forward -> post-forward (reshard
 backward: pre-backward on the first output gradient (unshard, prefetch the group that ran
           before us) -> module backward -> post-backward when input gradients are ready
           (reduce-scatter) -> final callback once backward is done (finish groups that
-          never saw a post-backward, wait for reductions).
+          never saw a post-backward, wait for reductions). Under manual finalization the
+          caller's ``finalize_backward()`` does the finishing and waiting instead (see
+          [Note: manual backward finalization] in ``finalization``).
 
 [Note: grouped fully_shard]
 ``fully_shard([a, b])`` gives ``a`` and ``b`` one group, gathered and reduced once per
@@ -52,10 +54,11 @@ from ..core.autograd_hooks import (
     register_pre_backward,
 )
 from ..core.compile_support import install_eager_methods, run_eagerly
-from ..core.param_group import ParamGroup, end_backward
+from ..core.param_group import ParamGroup, end_backward, finish_backward
 from ..core.runtime import CommContext
 from ..core.states import TrainingState
 from .api import MixedPrecisionPolicy
+from .finalization import AsyncFinalization
 
 _STATE_KEY = "_reffsdp_fully_shard_state"
 
@@ -70,13 +73,27 @@ class StateContext:
     """Per-root bookkeeping shared by all states under the root."""
 
     all_states: list[FSDPState] = field(default_factory=list)
-    comm: CommContext | None = None  # created by the root at lazy init
+    comm: RootCommContext | None = None  # created by the root at lazy init
     iter_forward_root: FSDPState | None = None
     final_callback_queued: bool = False
     is_last_backward: bool = True
     post_optim_event: Any = None
     # States whose group finished forward this iteration, in order, with repeats.
     post_forward_order: list[FSDPState] = field(default_factory=list)
+    # See [Note: manual backward finalization] in ``finalization``: the mode asked for, the
+    # mode latched when this iteration's backward started (None: not started), and whether
+    # an asynchronous finalization still waits for its handle's wait().
+    manual_finalization: bool = False
+    manual_finalization_active: bool | None = None
+    finalization_pending: bool = False
+
+
+@dataclass
+class RootCommContext(CommContext):
+    """A root's communication context, shared by the roots ``share_comm_ctx`` names, with
+    the asynchronous finalization that still holds it (one at a time)."""
+
+    async_finalization: AsyncFinalization | None = None
 
 
 class FSDPState:
@@ -98,7 +115,7 @@ class FSDPState:
         self.is_root: bool | None = None
         self.ctx = StateContext()
         # Set by share_comm_ctx before lazy init: the context this root adopts.
-        self.shared_comm_ctx: CommContext | None = None
+        self.shared_comm_ctx: RootCommContext | None = None
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] = []
@@ -130,8 +147,14 @@ class FSDPState:
                 "a grouped fully_shard([...]) call cannot be the root: also call "
                 "fully_shard on a module that contains all of them"
             )
-        self.is_root = True
         states = _states_under(self.modules[0])
+        for state in states[1:]:
+            if state.ctx.manual_finalization:
+                raise RuntimeError(
+                    "set_manual_backward_finalization must be called on the root FSDP "
+                    f"module, {self}, but was called on {state}"
+                )
+        self.is_root = True
         for state in states[1:]:
             if state.is_root is not None:
                 raise RuntimeError(
@@ -142,7 +165,7 @@ class FSDPState:
         self.ctx.all_states = states
         for state in states:
             state.ctx = self.ctx
-        self.use_comm_ctx(self.shared_comm_ctx or CommContext())
+        self.use_comm_ctx(self.shared_comm_ctx or RootCommContext())
         if self.group is not None and self.auto_reshard_root:
             self.group.configure(reshard_after_forward=False)
         _set_root_fqns(self.modules[0], states)
@@ -151,22 +174,22 @@ class FSDPState:
             if state.group is not None:
                 state.group.lazy_init()
 
-    def use_comm_ctx(self, comm: CommContext) -> None:
+    def use_comm_ctx(self, comm: RootCommContext) -> None:
         """Make ``comm`` this root's communication context and bind its groups to it."""
         self.ctx.comm = comm
         for state in self.ctx.all_states:
             if state.group is not None:
                 state.group.bind(comm)
 
-    def comm_ctx_for_sharing(self) -> CommContext:
+    def comm_ctx_for_sharing(self) -> RootCommContext:
         """This root's context, made now if lazy init has not run (``share_comm_ctx``)."""
         if self.ctx.comm is not None:
             return self.ctx.comm
         if self.shared_comm_ctx is None:
-            self.shared_comm_ctx = CommContext()
+            self.shared_comm_ctx = RootCommContext()
         return self.shared_comm_ctx
 
-    def adopt_comm_ctx(self, comm: CommContext) -> None:
+    def adopt_comm_ctx(self, comm: RootCommContext) -> None:
         """Use another root's context (``share_comm_ctx``), now or at lazy init."""
         if self.ctx.comm is not None:
             self.use_comm_ctx(comm)
@@ -174,15 +197,26 @@ class FSDPState:
             self.shared_comm_ctx = comm
 
     @property
-    def comm_ctx(self) -> CommContext:
+    def comm_ctx(self) -> RootCommContext:
         """The root's communication context (after lazy init)."""
         assert self.ctx.comm is not None, f"{self}: no communication context before lazy init"
         return self.ctx.comm
+
+    def groups_under_root(self) -> list[ParamGroup]:
+        """The groups of every state in this root's tree (after lazy init), pre-order."""
+        return [state.group for state in self.ctx.all_states if state.group is not None]
 
     # -- forward hooks ------------------------------------------------------------------
 
     @run_eagerly  # see [Note: FSDP work runs outside compiled graphs]
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        comm = self.ctx.comm or self.shared_comm_ctx
+        if self.ctx.finalization_pending or (comm is not None and comm.async_finalization):
+            raise RuntimeError(
+                f"{self}: forward started while an asynchronous finalize_backward is not "
+                "finished; the previous gradient reduction must be waited on before forward "
+                "(call wait() on the handle finalize_backward(async_op=True) returned)"
+            )
         if in_backward():
             # Activation-checkpoint recompute: make sure parameters are there, nothing more.
             if self.group is not None:
@@ -284,6 +318,9 @@ class FSDPState:
         self.training_state = TrainingState.PRE_BACKWARD
         if not self.ctx.final_callback_queued:
             self.ctx.final_callback_queued = True
+            # Rule 1 of [Note: manual backward finalization] in ``finalization``.
+            if self.ctx.manual_finalization_active is None:
+                self.ctx.manual_finalization_active = self.ctx.manual_finalization
             root = self.ctx.all_states[0] if self.ctx.all_states else self
             queue_final_callback(root._final_callback)
         group = self.group
@@ -306,24 +343,42 @@ class FSDPState:
     def _final_callback(self) -> None:
         """Runs once per backward, on the root: see [Note: hook order in one iteration]."""
         ctx = self.ctx
+        manual = bool(ctx.manual_finalization_active)
         try:
-            groups = [state.group for state in ctx.all_states if state.group is not None]
-            end_backward(groups, self.comm_ctx, last=ctx.is_last_backward)
+            # Rule 2 of [Note: manual backward finalization] in ``finalization``.
+            groups = self.groups_under_root()
+            end_backward(groups, self.comm_ctx, last=False, defer_reductions=manual)
             for state in ctx.all_states:
                 state.training_state = TrainingState.IDLE
-                if ctx.is_last_backward:
-                    state._post_forward_indices.clear()
-            if ctx.is_last_backward:
-                ctx.post_forward_order.clear()
+            if ctx.is_last_backward and not manual:
+                self.end_iteration()
         finally:
             ctx.final_callback_queued = False
             ctx.iter_forward_root = None
 
+    def end_iteration(self) -> None:
+        """After the step's last backward: every reduction done, per-iteration state gone."""
+        finish_backward(self.groups_under_root(), self.comm_ctx)
+        for state in self.ctx.all_states:
+            state._post_forward_indices.clear()
+        self.ctx.post_forward_order.clear()
+        self.ctx.manual_finalization_active = None
+
     def reset_iter_state(self) -> None:
-        """After an exception in forward or backward: back to a clean, sharded state."""
+        """After an exception in forward or backward: back to a clean, sharded state.
+
+        Drops an asynchronous finalization this root started (its handle's ``wait()`` then
+        raises); one another root sharing the communication context started is refused.
+        """
         if not self.is_root:
             raise RuntimeError("reset_iter_state() must be called on the root FSDP module")
-        self.comm_ctx.discard_reduces()
+        comm = self.comm_ctx
+        if comm.async_finalization is not None and comm.async_finalization.owner is not self.ctx:
+            raise RuntimeError(
+                "reset_iter_state cannot reset a gradient reduction owned by another FSDP "
+                "root sharing the communication context; wait on its handle or reset that root"
+            )
+        comm.discard_reduces()
         self.ctx.post_forward_order.clear()
         for state in self.ctx.all_states:
             state.training_state = TrainingState.IDLE
@@ -333,6 +388,9 @@ class FSDPState:
                 state.group.reset()
         self.ctx.iter_forward_root = None
         self.ctx.final_callback_queued = False
+        self.ctx.manual_finalization_active = None
+        self.ctx.finalization_pending = False
+        comm.async_finalization = None
 
 
 def _states_under(root: nn.Module) -> list[FSDPState]:

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from reffsdp import MixedPrecisionPolicy
 from reffsdp.core.comms import Collective
+from reffsdp.core.compat import TORCH_VERSION
 from reffsdp.testing.build import shard_bottom_up
 from reffsdp.testing.comm_counter import CommCounter, all_gather_numel
 from reffsdp.testing.fake_pg import fake_process_group
@@ -127,8 +128,11 @@ class TestCommCountsWorldSize2(CountsAndBytesChecks, FSDPTestMultiThread):
         self.assertEqual(forward.get_comm_counts(), {AG: n + 1})
         self.assertEqual(forward.get_comm_bytes()[AG], fp32_bytes // 2)
         self.assertEqual(backward.get_comm_bytes()[AG], fp32_bytes // 2)
-        # Gradients are reduced in the gradient dtype (bf16) unless reduce_dtype says fp32.
-        rs_bytes = fp32_bytes if reduce_dtype == torch.float32 else fp32_bytes // 2
+        # Unless reduce_dtype says fp32, gradients are reduced as the installed torch's
+        # fully_shard does: in the compute dtype (bf16) up to 2.14, in the parameters' dtype
+        # (fp32) from 2.15.
+        reduced_in_fp32 = reduce_dtype == torch.float32 or TORCH_VERSION >= (2, 15)
+        rs_bytes = fp32_bytes if reduced_in_fp32 else fp32_bytes // 2
         self.assertEqual(backward.get_comm_counts()[RS], n + 1)
         self.assertEqual(backward.get_comm_bytes()[RS], rs_bytes)
 

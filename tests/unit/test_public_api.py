@@ -4,6 +4,12 @@ torch's own objects are the reference here: signatures and dataclass fields are 
 against them directly. Only tests use ``torch.distributed.fsdp`` (here, and as the
 benchmark's reference in ``tests/benchmarks/torch_reference.py``); a test below checks the
 package, its testing helpers and its benchmark never import it.
+
+reffsdp offers the names later torch releases added to the per-parameter API on every
+supported torch (``ADDED_AFTER_2_11``: ``DataParallelMeshDims`` in 2.12, the 2.15 additions).
+Where the installed torch has a name it is compared like all others; on an older torch,
+which has nothing to compare it with, it is left out of the comparison (and the 2.15 methods
+are checked against the signatures 2.15 gives them).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import reffsdp
 from reffsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from reffsdp.core.compat import TORCH_VERSION
 from reffsdp.testing.fake_pg import fake_process_group
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -39,8 +46,53 @@ FSDP2_NAMES = [
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "DataParallelMeshDims",
+    "GradientReductionHandle",
 ]
 POLICIES = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims"]
+
+# What torch releases after 2.11 added to the per-parameter API, by release; reffsdp has
+# all of it on every supported torch.
+ADDED_AFTER_2_11 = {
+    (2, 12): {
+        "names": {"DataParallelMeshDims"},
+        "arguments": {"fully_shard": {"dp_mesh_dims"}},
+    },
+    (2, 15): {
+        "names": {"GradientReductionHandle"},
+        "fields": {"MixedPrecisionPolicy": {"param_dtype_override_fn"}},
+    },
+}
+# name -> (parameter name, kind, default) after self, as torch 2.15 declares them
+METHODS_ADDED_IN_2_15 = {
+    "set_keep_unsharded_storage": [
+        ("keep", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty),
+        ("recurse", inspect.Parameter.KEYWORD_ONLY, True),
+    ],
+    "set_manual_backward_finalization": [
+        ("enabled", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty),
+    ],
+    "finalize_backward": [("async_op", inspect.Parameter.KEYWORD_ONLY, False)],
+}
+TORCH_HAS_2_15_API = TORCH_VERSION >= (2, 15)
+
+
+def _torch_lacks(kind: str, owner: str | None = None) -> set[str]:
+    """What the installed torch lacks of ``ADDED_AFTER_2_11[release][kind]`` (of
+    ``owner``'s entry, for fields and arguments)."""
+    lacking: set[str] = set()
+    for release, added in ADDED_AFTER_2_11.items():
+        if TORCH_VERSION < release:
+            entry = added.get(kind, {})
+            lacking |= entry.get(owner, set()) if owner is not None else entry
+    return lacking
+
+
+def _names_torch_lacks() -> set[str]:
+    return _torch_lacks("names")
+
+
+def _fields_torch_lacks(cls_name: str) -> set[str]:
+    return _torch_lacks("fields", cls_name)
 
 
 # -- names ---------------------------------------------------------------------------------
@@ -54,7 +106,7 @@ def test_fsdp2_name_is_exported_from_the_package(name):
 
 def test_all_lists_only_torch_names():
     """Every exported name is one ``torch.distributed.fsdp`` exports (or FlatParameter)."""
-    allowed = {*torch_fsdp.__all__, "FlatParameter"}
+    allowed = {*torch_fsdp.__all__, "FlatParameter", *_names_torch_lacks()}
     assert set(reffsdp.__all__) <= allowed
     for name in reffsdp.__all__:
         assert hasattr(reffsdp, name), name
@@ -64,22 +116,28 @@ def test_all_lists_only_torch_names():
 
 
 def _comparable_default(default):
-    """Defaults compared by value; dataclass instances by class name and fields."""
+    """Defaults compared by value; dataclass instances by class name and the fields the
+    installed torch's class has."""
     if dataclasses.is_dataclass(default) and not isinstance(default, type):
-        return type(default).__name__, dataclasses.astuple(default)
+        name = type(default).__name__
+        skip = _fields_torch_lacks(name)
+        fields = [f.name for f in dataclasses.fields(default) if f.name not in skip]
+        return name, tuple(getattr(default, field) for field in fields)
     return default
 
 
-def _signature(fn) -> list[tuple]:
+def _signature(fn, skip: set[str] = frozenset()) -> list[tuple]:
     return [
         (p.name, p.kind, _comparable_default(p.default))
         for p in inspect.signature(fn).parameters.values()
+        if p.name not in skip
     ]
 
 
 @pytest.mark.parametrize("name", ["fully_shard", "register_fsdp_forward_method", "share_comm_ctx"])
 def test_function_signature_matches_torch(name):
-    assert _signature(getattr(reffsdp, name)) == _signature(getattr(torch_fsdp, name))
+    ours = _signature(getattr(reffsdp, name), skip=_torch_lacks("arguments", name))
+    assert ours == _signature(getattr(torch_fsdp, name))
 
 
 def _torch_fsdp_module_methods() -> list[str]:
@@ -99,29 +157,59 @@ def test_fsdp_module_method_signature_matches_torch(name):
     assert _signature(ours) == _signature(getattr(torch_fsdp.FSDPModule, name))
 
 
-def test_unshard_handle_wait_signature_matches_torch():
-    assert _signature(reffsdp.UnshardHandle.wait) == _signature(torch_fsdp.UnshardHandle.wait)
-    assert reffsdp.UnshardHandle().wait() is None
+@pytest.mark.parametrize("name", sorted(METHODS_ADDED_IN_2_15))
+def test_methods_added_in_2_15_have_their_2_15_signatures(name):
+    """On every torch; from 2.15 the test above also compares them with torch's."""
+    expected = [("self", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty)]
+    expected += METHODS_ADDED_IN_2_15[name]
+    assert _signature(getattr(FSDPModule, name)) == expected
+    if TORCH_HAS_2_15_API:
+        assert _signature(getattr(torch_fsdp.FSDPModule, name)) == expected
+
+
+@pytest.mark.parametrize("name", ["UnshardHandle", "GradientReductionHandle"])
+def test_handle_wait_signature_matches_torch(name):
+    handle = getattr(reffsdp, name)
+    assert _signature(handle.wait) == [
+        ("self", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty)
+    ]
+    if name in _names_torch_lacks():
+        return
+    assert _signature(handle.wait) == _signature(getattr(torch_fsdp, name).wait)
+    assert handle().wait() is None
 
 
 # -- policies ------------------------------------------------------------------------------
 
 
-def _fields(cls) -> list[tuple]:
-    return [(f.name, f.default, f.default_factory) for f in dataclasses.fields(cls)]
+def _fields(cls, skip: set[str] = frozenset()) -> list[tuple]:
+    return [
+        (f.name, f.default, f.default_factory, f.kw_only)
+        for f in dataclasses.fields(cls)
+        if f.name not in skip
+    ]
 
 
 @pytest.mark.parametrize("name", POLICIES)
 def test_policy_fields_and_defaults_match_torch(name):
+    if name in _names_torch_lacks():
+        pytest.skip(f"torch {torch.__version__} has no {name} to compare with")
     ours, theirs = getattr(reffsdp, name), getattr(torch_fsdp, name)
     assert dataclasses.is_dataclass(ours)
-    assert _fields(ours) == _fields(theirs)
+    assert _fields(ours, skip=_fields_torch_lacks(name)) == _fields(theirs)
     assert ours.__dataclass_params__.frozen == theirs.__dataclass_params__.frozen
 
 
 def test_policy_hierarchy():
     assert issubclass(reffsdp.CPUOffloadPolicy, reffsdp.OffloadPolicy)
     assert reffsdp.CPUOffloadPolicy().pin_memory is True
+
+
+def test_param_dtype_override_fn_is_a_keyword_only_field_added_in_2_15():
+    (field,) = [f for f in dataclasses.fields(MixedPrecisionPolicy) if f.name.endswith("_fn")]
+    assert (field.name, field.default, field.kw_only) == ("param_dtype_override_fn", None, True)
+    with pytest.raises(TypeError):
+        MixedPrecisionPolicy(None, None, None, True, lambda p: None)  # keyword only
 
 
 def test_mixed_precision_policy_is_frozen_and_hashable():
