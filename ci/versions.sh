@@ -2,7 +2,8 @@
 # The oldest and newest supported torch, beside the pinned one that ci/cpu.sh tests.
 # For each requirements file (ci/torch/oldest.txt, ci/torch/newest.txt), in a brand-new
 # virtual environment under build/torch-venvs/: the parity suite on threaded ranks, then on
-# gloo processes, then `pytest tests/unit tests/multithread`. Prints one line per torch
+# gloo processes, then `pytest tests/unit tests/multithread` (and the comparison of the 2.15
+# additions with torch's own fully_shard). Prints one line per torch
 # version with each step's counts and the minutes it took; every step runs even after a
 # failure, and the exit status is non-zero if any failed.
 #
@@ -70,8 +71,10 @@ for file in "${files[@]}"; do
     start=$(date +%s)
     threaded=$(step "$version" "parity suite, threaded" "$venv.threaded" "$py" -m reffsdp.testing)
     gloo=$(step "$version" "parity suite, gloo" "$venv.gloo" "$py" -m reffsdp.testing --backend gloo)
+    # and the comparison with torch's own fully_shard of what 2.15 added (gloo processes)
     tests=$(step "$version" "pytest tests/unit tests/multithread" "$venv.pytest" \
-        "$py" -m pytest -p no:cacheprovider -q tests/unit tests/multithread)
+        "$py" -m pytest -p no:cacheprovider -q tests/unit tests/multithread \
+        tests/multiprocess/test_fully_shard_2_15_gloo.py)
     minutes=$(awk "BEGIN { printf \"%.1f\", ($(date +%s) - $start) / 60 }")
     lines+=("torch $version: parity threaded $threaded; gloo $gloo; tests $tests; $minutes min")
 done
