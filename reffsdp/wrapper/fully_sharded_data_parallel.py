@@ -52,7 +52,7 @@ from ..core.compile_support import (
 from ..core.param_group import GroupSettings, ParamGroup, end_backward
 from ..core.runtime import CommContext
 from ..core.states import TrainingState
-from . import full_params, optim_state, setup, state_dict
+from . import full_params, optim_state, optim_state_load, setup, state_dict
 from .flat_param import FlatParameter, FlatParamHandle, ParamSlot
 
 WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -331,7 +331,7 @@ class FullyShardedDataParallel(nn.Module):
         group: Any = None,
     ) -> dict[str, Any]:
         """What ``optim.load_state_dict`` takes, from an ``optim_state_dict`` result."""
-        return optim_state.optim_state_dict_to_load(
+        return optim_state_load.optim_state_dict_to_load(
             model, optim, optim_state_dict, is_named_optimizer, load_directly, group
         )
 
