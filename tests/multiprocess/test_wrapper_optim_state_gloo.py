@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._state_dict_utils import _gather_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullOptimStateDictConfig as TorchFullOptimStateDictConfig
 from torch.distributed.fsdp import FullStateDictConfig as TorchFullStateDictConfig
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
@@ -381,3 +383,170 @@ class TestNewerOptimStateCallsGloo(OptimStateChecks, FSDPTest):
             TorchFSDP.optim_state_dict(runs[TORCH].model, runs[TORCH].optim)
         with self.assertRaisesRegex(RuntimeError, r"(?s)rank 1: .*'blocks\.1\.in_proj\.weight'"):
             FSDP.optim_state_dict(runs[OURS].model, runs[OURS].optim)
+
+
+# -- torch's older calls ----------------------------------------------------------------------
+
+
+class OlderCallChecks(OptimStateChecks):
+    def check_saving(self, runs: dict[Api, Run], no_shard: bool = False) -> dict:
+        """The older saving calls, every way of calling them."""
+        osd = {
+            "sharded": self.both(
+                "sharded",
+                lambda r: r.api.fsdp.sharded_optim_state_dict(r.model, r.optim),
+                runs,
+                _gathered if no_shard else _as_is,  # NO_SHARD: whole, as the model's state
+            )
+        }
+        # After the sharded call: torch's newer call, on a device mesh, would turn the
+        # older call's ShardedTensors into DTensors from then on.
+        values = torch_full_values(runs[TORCH])
+        calls: dict[str, Callable[[Run], Any]] = {
+            "full": lambda r: r.api.fsdp.full_optim_state_dict(r.model, r.optim, rank0_only=False),
+            "full, optim_input": lambda r: r.api.fsdp.full_optim_state_dict(
+                r.model, r.optim, r.optim_input, rank0_only=False
+            ),
+            "full on rank 0": lambda r: r.api.fsdp.full_optim_state_dict(r.model, r.optim),
+        }
+        for where, call in calls.items():
+            osd[where] = self.both(where, call, runs, lambda osd: _with_values(osd, values))
+        return osd
+
+    def check_loading(
+        self, osd: dict[str, dict[Api, Any]], runs: dict[Api, Run], group: Any = None
+    ) -> None:
+        """The older loading calls into ``runs`` (``scatter_full`` over ``group``); then
+        both train on alike."""
+        rank0 = dist.get_rank(group) == 0
+        calls: dict[str, Callable[[Run], Any]] = {
+            "shard_full": lambda r: r.api.fsdp.shard_full_optim_state_dict(
+                osd["full"][r.api], r.model, optim=r.optim
+            ),
+            "shard_full, optim_input": lambda r: r.api.fsdp.shard_full_optim_state_dict(
+                osd["full"][r.api], r.model, optim_input=r.optim_input
+            ),
+            "scatter_full": lambda r: r.api.fsdp.scatter_full_optim_state_dict(
+                osd["full on rank 0"][r.api] if rank0 else None,
+                r.model,
+                optim=r.optim,
+                group=group,
+            ),
+        }
+        if "sharded" in osd:
+            calls["flatten_sharded"] = lambda r: r.api.fsdp.flatten_sharded_optim_state_dict(
+                osd["sharded"][r.api], r.model, r.optim
+            )
+        loaded = {where: self.both(where, call, runs) for where, call in calls.items()}
+        self.check_training_on(runs, loaded["scatter_full"])
+
+
+def _as_is(osd: dict) -> dict:
+    return osd
+
+
+def _gathered(osd: dict) -> dict:
+    """``osd`` with whole tensors for sharded ones (collective)."""
+    if "state" not in osd:
+        return osd
+    return {**osd, "state": {key: _gather_state_dict(v) for key, v in osd["state"].items()}}
+
+
+def _with_values(osd: dict, values: dict) -> dict:
+    """``osd``, its state's values taken from ``values`` (the same keys, in the same order)."""
+    if "state" not in osd:
+        return osd
+    assert list(osd["state"]) == list(values["state"])
+    state = {key: {n: values["state"][key][n] for n in v} for key, v in osd["state"].items()}
+    return {**osd, "state": state}
+
+
+class TestOlderOptimStateCallsGloo(OlderCallChecks, FSDPTest):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_older_calls_match_torch(self):
+        self.run_subtests(
+            {"use_orig_params": [False, True], "strategy": ["FULL_SHARD", "NO_SHARD"]},
+            self._check_older_calls,
+        )
+
+    def _check_older_calls(self, use_orig_params: bool, strategy: str) -> None:
+        kwargs = {"strategy": strategy, "use_orig_params": use_orig_params}
+        osd = self.check_saving(self.trained_pair(**kwargs), strategy == "NO_SHARD")
+        reverse = self.rank % 2 == 1
+        runs = {api: build(api, "rooted", reverse=reverse, **kwargs) for api in (TORCH, OURS)}
+        self.check_loading(osd, runs)
+        self._check_rekeying(osd["full"], runs)
+
+    def _check_rekeying(self, full: dict[Api, Any], runs: dict[Api, Run]) -> None:
+        """Full state to a plain model's ids, train the plain model, its state back to
+        names, and into ``runs``' wrapped models."""
+        plain = {api: build(api, None) for api in (TORCH, OURS)}
+
+        def to_ids(run: Run) -> dict:
+            key = run.api.key_type.PARAM_ID
+            return run.api.fsdp.rekey_optim_state_dict(
+                full[run.api], key, run.model, optim=run.optim
+            )
+
+        self.check_training_on(plain, self.both("rekey to ids", to_ids, plain))
+
+        def to_names(run: Run) -> dict:
+            key = run.api.key_type.PARAM_NAME
+            osd = run.optim.state_dict()
+            return run.api.fsdp.rekey_optim_state_dict(osd, key, run.model, run.optim_input)
+
+        named = self.both("rekey to names", to_names, plain)
+        self.both(
+            "shard_full of rekeyed",
+            lambda r: r.api.fsdp.shard_full_optim_state_dict(named[r.api], r.model, optim=r.optim),
+            runs,
+        )
+
+
+class TestOlderOptimStateCallsHybridGloo(OlderCallChecks, FSDPTest):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_hybrid_and_loading_on_two_ranks(self):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        pair = dist.new_group([0, 1])
+        self.run_subtests(
+            {"use_orig_params": [False, True]}, self._check_hybrid, mesh=mesh, pair=pair
+        )
+
+    def _check_hybrid(self, use_orig_params: bool, mesh: Any, pair: Any) -> None:
+        hybrid = {"strategy": "HYBRID_SHARD", "use_orig_params": use_orig_params}
+        runs = self.trained_pair(device_mesh=mesh, **hybrid)
+        osd = self.check_saving(runs)
+        newer = self.both("newer full on rank 0", saved("full", rank0_only=True), runs)
+        reverse = self.rank % 2 == 1
+        others = {
+            api: build(api, "rooted", reverse=reverse, device_mesh=mesh, **hybrid)
+            for api in (TORCH, OURS)
+        }
+        self.check_loading(osd, others)
+        if self.rank >= 2:
+            return
+        # Another world size: the full dicts of 4 ranks into a model on 2.
+        on_two = {
+            api: build(api, "rooted", use_orig_params=use_orig_params, process_group=pair)
+            for api in (TORCH, OURS)
+        }
+        del osd["sharded"]  # sharded state loads at the world size that saved it only
+        self.check_loading(osd, on_two, pair)
+        on_two = {
+            api: build(api, "rooted", use_orig_params=use_orig_params, process_group=pair)
+            for api in (TORCH, OURS)
+        }
+
+        def to_load(run: Run) -> dict:
+            with state_dict_type(run, "full", rank0_only=True):
+                return run.api.fsdp.optim_state_dict_to_load(
+                    run.model, run.optim, newer[run.api], group=pair
+                )
+
+        self.check_training_on(on_two, self.both("newer load on 2 ranks", to_load, on_two))
