@@ -1,8 +1,6 @@
 """Mirrors ``torch.distributed.fsdp.fully_sharded_data_parallel``: the wrapper API class and
 the names its users import from this module."""
 
-import enum
-
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -20,16 +18,7 @@ from .api import (
     StateDictType,
 )
 from .wrapper import FullyShardedDataParallel
-
-
-class OptimStateKeyType(enum.Enum):
-    """How optimizer state dicts key their per-parameter state."""
-
-    PARAM_NAME = enum.auto()
-    PARAM_ID = enum.auto()
-
-
-OptimStateKeyType.__module__ = "reffsdp.fully_sharded_data_parallel"
+from .wrapper.legacy_optim_state import OptimStateKeyType
 
 __all__ = [
     "BackwardPrefetch",

@@ -52,7 +52,7 @@ from ..core.compile_support import (
 from ..core.param_group import GroupSettings, ParamGroup, end_backward
 from ..core.runtime import CommContext
 from ..core.states import TrainingState
-from . import full_params, optim_state, setup, state_dict
+from . import full_params, legacy_optim_state, optim_state, optim_state_load, setup, state_dict
 from .flat_param import FlatParameter, FlatParamHandle, ParamSlot
 
 WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -331,8 +331,77 @@ class FullyShardedDataParallel(nn.Module):
         group: Any = None,
     ) -> dict[str, Any]:
         """What ``optim.load_state_dict`` takes, from an ``optim_state_dict`` result."""
-        return optim_state.optim_state_dict_to_load(
+        return optim_state_load.optim_state_dict_to_load(
             model, optim, optim_state_dict, is_named_optimizer, load_directly, group
+        )
+
+    # -- torch's older optimizer-state calls (see legacy_optim_state.py) -----------------
+
+    @staticmethod
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: Any = None,
+        rank0_only: bool = True,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """Deprecated: ``optim_state_dict`` under ``FULL_STATE_DICT``."""
+        return legacy_optim_state.full_optim_state_dict(
+            model, optim, optim_input, rank0_only, group
+        )
+
+    @staticmethod
+    def sharded_optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, group: Any = None
+    ) -> dict[str, Any]:
+        """Deprecated: ``optim_state_dict`` under ``SHARDED_STATE_DICT``."""
+        return legacy_optim_state.sharded_optim_state_dict(model, optim, group)
+
+    @staticmethod
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """Deprecated: ``optim_state_dict_to_load`` of a full optimizer state dict."""
+        return legacy_optim_state.shard_full_optim_state_dict(
+            full_optim_state_dict, model, optim_input, optim
+        )
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(
+        sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """Deprecated: ``optim_state_dict_to_load`` of a sharded optimizer state dict."""
+        return legacy_optim_state.flatten_sharded_optim_state_dict(
+            sharded_optim_state_dict, model, optim
+        )
+
+    @staticmethod
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any] | None,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """Deprecated: ``optim_state_dict_to_load`` of rank 0's full optimizer state dict."""
+        return legacy_optim_state.scatter_full_optim_state_dict(
+            full_optim_state_dict, model, optim_input, optim, group
+        )
+
+    @staticmethod
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: Any,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """Key an optimizer state dict by parameter names or by parameter ids."""
+        return legacy_optim_state.rekey_optim_state_dict(
+            optim_state_dict, optim_state_key_type, model, optim_input, optim
         )
 
     # -- lazy init ----------------------------------------------------------------------
