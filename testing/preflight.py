@@ -3,8 +3,8 @@
 A parity check that compares the wrong things passes or fails for reasons that have nothing
 to do with sharding. These checks turn such setups into failures that say what is wrong:
 
-* :func:`unsharded_blocks` and :func:`check_blocks_sharded`: every module of the block
-  classes the test names has its own ``fully_shard`` call (or its own
+* :func:`blocks_of`, :func:`unsharded_blocks` and :func:`unsharded_blocks_message`: every
+  module of the block classes the test names has its own ``fully_shard`` call (or its own
   ``FullyShardedDataParallel`` instance), and those classes name at least one module.
   A forgotten ``fully_shard`` still trains correctly (the root's group takes the block's
   parameters), so only the collective counts would show it, if anyone looked.
