@@ -8,5 +8,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv --clear .venv
-.venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test,integration]"
 exec .venv/bin/python -m pytest -p no:cacheprovider --durations=15 "$@"

@@ -3,14 +3,15 @@
 Downstream projects import it as ``reffsdp.testing``::
 
     from reffsdp.testing import FSDPTest, FSDPTestMultiThread, check_sharded_parity
-    from reffsdp.testing import check_train_parity, parity_scenarios
+    from reffsdp.testing import check_train_parity, expected_counts, parity_scenarios
 
 ``python -m reffsdp.testing`` runs the parity suite (sharded training against DDP).
 """
 
-from .build import fsdp_modules, reference_and_model, shard_bottom_up
+from .build import build_seeded, fsdp_modules, reference_and_model, shard_bottom_up
 from .comm_counter import CommCounter, all_gather_numel
 from .common import DistributedTestMixin
+from .expected_comms import expected_counts
 from .fake_pg import FakeStore, fake_process_group
 from .inputs import random_inputs, random_tokens
 from .meshes import mesh_1d, mesh_dp_tp, mesh_hsdp, mesh_nd
@@ -51,6 +52,7 @@ from .patching import (
     patch_broadcast,
     patch_reduce_scatter,
 )
+from .tolerances import Tolerance, default_tolerance
 
 __all__ = [
     "MLP",
@@ -58,6 +60,7 @@ __all__ = [
     "ParityDiffs",
     "ParityScenario",
     "Passthrough",
+    "Tolerance",
     "TrainParity",
     "CommCounter",
     "ConvNet",
@@ -73,10 +76,13 @@ __all__ = [
     "all_gather_numel",
     "all_reduce_off",
     "broadcast_params_from_rank0",
+    "build_seeded",
     "check_sharded_parity",
     "check_state_dict_parity",
     "check_train_parity",
     "count_all_gathers",
+    "default_tolerance",
+    "expected_counts",
     "fake_process_group",
     "fsdp_modules",
     "gradient_sync_off",

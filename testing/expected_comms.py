@@ -36,6 +36,8 @@ from torch.distributed.tensor import DTensor
 from reffsdp.core import compat
 from reffsdp.core.comms import Collective
 
+from .preflight import blocks_of
+
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
 COUNT_KEYS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
 _KEY_OF = {
@@ -237,3 +239,47 @@ class CommTally:
 
     def per_step(self, steps: int) -> tuple[dict[str, float], Fraction]:
         return {key: self.counts[key] / steps for key in COUNT_KEYS}, self.bytes / steps
+
+
+def expected_counts(
+    model: nn.Module,
+    block_types: Sequence[type[nn.Module]] = (),
+    *,
+    shard_size: int | None = None,
+    replicate_size: int = 1,
+    api: str = "fully_shard",
+    reshard_after_forward: bool | int | None = None,
+    num_microbatches: int = 1,
+    sync_every_microbatch: bool = True,
+) -> dict[str, float]:
+    """The collectives one training step of ``model`` issues on each rank, once every module
+    of ``block_types`` is sharded on its own and then the root: ``{"all_gather": ...,
+    "reduce_scatter": ..., "all_reduce": ...}``, for ``check_train_parity(...,
+    expected_counts=...)``.
+
+    Call it on the model *before* sharding it. ``api="fully_shard"``: one ``fully_shard``
+    call per block (in ``model.modules()`` order) and one for the root, each with
+    ``reshard_after_forward`` (``None``: ``fully_shard``'s default, every group but the
+    root's). ``api="wrapper"``: ``FullyShardedDataParallel`` with an auto-wrap policy over
+    ``block_types``; ``reshard_after_forward`` is the strategy's (``True``, the default, for
+    ``FULL_SHARD``/``HYBRID_SHARD``; ``False`` for ``SHARD_GRAD_OP``/
+    ``_HYBRID_SHARD_ZERO2``). ``shard_size`` (default: the default group's size divided by
+    ``replicate_size``) and ``replicate_size`` (HSDP's replicas) describe the mesh; with
+    ``sync_every_microbatch=False`` only the last of ``num_microbatches`` reduces gradients
+    (``no_sync``). Frozen parameters are gathered but never reduced.
+    """
+    if api not in ("fully_shard", "wrapper"):
+        raise ValueError(f"api must be 'fully_shard' or 'wrapper', got {api!r}")
+    if shard_size is None:
+        shard_size = dist.get_world_size() // replicate_size
+    modules = [*blocks_of(model, block_types), model]
+    if api == "fully_shard":
+        units = fully_shard_units(modules, shard_size, reshard_after_forward=reshard_after_forward)
+    else:
+        reshard = True if reshard_after_forward is None else bool(reshard_after_forward)
+        units = wrapper_units(
+            modules, shard_size, reshard_after_forward=reshard, use_orig_params=False
+        )
+    shape = StepShape(shard_size, replicate_size, num_microbatches, sync_every_microbatch)
+    counts, _ = expected_per_step(units, shape)
+    return counts

@@ -10,6 +10,10 @@
   copies and shards it (threads of the threaded harness share one RNG, so two ranks that
   build "the same" model get different weights).
 
+Default tolerances are derived from the dtype and the number of ranks summed (see
+[Note: default tolerances] in :mod:`reffsdp.testing.tolerances`); ``rtol``/``atol`` set
+them, for every dtype or per dtype (``{torch.bfloat16: 1e-2, torch.float32: 1e-5}``).
+
 [Note: comparing shards]
 A sharded parameter is a DTensor; what a rank holds is ``param.to_local()``. The expected
 shard is the reference tensor cut the same way: ``distribute_tensor(ref, mesh, placements,
@@ -47,14 +51,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_leaves
 
-# (rtol, atol) per dtype when the caller gives none; torch.testing.assert_close's defaults.
-_DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-7, 1e-7),
-    torch.float32: (1.3e-6, 1e-5),
-    torch.float16: (1e-3, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-5),
-}
+from reffsdp.core.autograd_hooks import map_tensors
+
+from . import preflight
+from .expected_comms import COUNT_KEYS, CommTally
+from .patching import observe_collectives
+from .tolerances import Tolerance, Tolerances
+
 _MAX_REPORTED_PROBLEMS = 10
 
 
@@ -64,8 +69,8 @@ def check_sharded_parity(
     sharded_model: nn.Module,
     prefixes_to_ignore: Sequence[str] = (),
     *,
-    rtol: float | None = None,
-    atol: float | None = None,
+    rtol: Tolerance = None,
+    atol: Tolerance = None,
 ) -> None:
     """Check that every parameter and gradient of ``sharded_model`` is the right shard.
 
@@ -78,11 +83,13 @@ def check_sharded_parity(
     Failures go through ``test_case.fail`` when a test case is given, else raise
     ``AssertionError``; either way each line names the tensor, the rank and the largest
     absolute difference. Every rank of the default group must call this together (see
-    [Note: ranks agree on the verdict]). ``rtol``/``atol`` default per dtype (fp32:
-    ``1.3e-6``/``1e-5``).
+    [Note: ranks agree on the verdict]). ``rtol``/``atol``: one number, or one per dtype;
+    by default derived from the dtype and the world size (see
+    [Note: default tolerances] in :mod:`reffsdp.testing.tolerances`).
     """
+    tolerances = Tolerances(rtol, atol, world_size=dist.get_world_size())
     problems = _param_problems(
-        ref_model, sharded_model, prefixes_to_ignore, require_dtensor=True, rtol=rtol, atol=atol
+        ref_model, sharded_model, prefixes_to_ignore, require_dtensor=True, tolerances=tolerances
     )
     _agree_and_report(test_case, "check_sharded_parity", problems)
 
@@ -92,8 +99,8 @@ def check_state_dict_parity(
     ref_model: nn.Module,
     sharded_model: nn.Module,
     *,
-    rtol: float | None = None,
-    atol: float | None = None,
+    rtol: Tolerance = None,
+    atol: Tolerance = None,
 ) -> None:
     """Check that ``sharded_model.state_dict()`` gathers to ``ref_model.state_dict()``.
 
@@ -101,6 +108,7 @@ def check_state_dict_parity(
     with ``full_tensor()``; buffers compare as they are. Fails like
     :func:`check_sharded_parity`, and every rank of the default group must call it together.
     """
+    tolerances = Tolerances(rtol, atol, world_size=dist.get_world_size())
     state_dict, ref_state_dict = sharded_model.state_dict(), ref_model.state_dict()
     names, ref_names = list(state_dict), list(ref_state_dict)
     name_problems = [] if names == ref_names else [_name_mismatch(names, ref_names)]
@@ -113,7 +121,7 @@ def check_state_dict_parity(
             problems.append(f"{where}: a {type(value).__name__}, expected a DTensor")
             continue
         full = value.full_tensor() if isinstance(value, DTensor) else value
-        mismatch = _mismatch(full.detach(), ref_state_dict[name].detach(), rtol, atol)
+        mismatch = _mismatch(full.detach(), ref_state_dict[name].detach(), tolerances)
         if mismatch:
             problems.append(f"{where}: {mismatch}")
     _agree_and_report(test_case, "check_state_dict_parity", problems)
@@ -132,32 +140,50 @@ def check_train_parity(
     no_sync: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
     prefixes_to_ignore: Sequence[str] = (),
     ddp_kwargs: Mapping[str, Any] | None = None,
-    rtol: float | None = None,
-    atol: float | None = None,
+    rtol: Tolerance = None,
+    atol: Tolerance = None,
+    block_types: Sequence[type[nn.Module]] = (),
+    expected_counts: Mapping[str, float] | None = None,
 ) -> TrainParity:
     """Train ``sharded_model`` and a DDP copy side by side; check they agree at every step.
 
     ``ref_model`` is the unsharded twin of ``sharded_model``: the caller deep-copies the
     model *before* sharding it (sharding changes the module in place) and passes the copy.
-    This function wraps ``ref_model`` itself in ``DistributedDataParallel`` (with
-    ``ddp_kwargs``, e.g. ``find_unused_parameters=True``) and trains it, so the caller can
-    inspect it afterwards. Parameters may be DTensors (compared shard by shard) or plain
-    tensors (compared whole); a model wrapped with ``reffsdp.FullyShardedDataParallel`` is
-    compared through its original parameters and gradients, rebuilt whole from the flat
-    shards (see :func:`unflattened_params`).
+    Both must start from the same weights on every rank (:func:`reference_and_model` or
+    :func:`broadcast_params_from_rank0` before copying); when the ranks' references differ,
+    the check says so. This function wraps ``ref_model`` itself in
+    ``DistributedDataParallel`` (with ``ddp_kwargs``, e.g. ``find_unused_parameters=True``)
+    and trains it, so the caller can inspect it afterwards. Parameters may be DTensors
+    (compared shard by shard) or plain tensors (compared whole); a model wrapped with
+    ``reffsdp.FullyShardedDataParallel`` is compared through its original parameters and
+    gradients, rebuilt whole from the flat shards (see :func:`unflattened_params`).
 
-    ``make_inputs(iteration, rank)`` returns one forward's inputs (a tensor, a tuple of
-    positional arguments or a dict of keyword arguments); ``iteration`` counts forwards from
-    0, so step ``s`` uses iterations ``s * num_microbatches`` onwards. Both models get the
-    same object, so neither may modify it in place. ``loss_fn`` maps the output to a scalar
-    (default :func:`sum_loss`); ``optimizer_factory`` builds an optimizer from parameters
-    (default :func:`sgd_with_momentum`: unlike Adam, SGD's update scales with the gradient,
-    so a wrong gradient scale changes the parameters).
+    ``make_inputs(iteration, rank)`` returns one forward's inputs: a tensor, a tuple of
+    positional arguments, or a dict of keyword arguments (``{"input_ids": ...,
+    "attention_mask": ...}``), any of them nesting tensors in lists, tuples and dicts;
+    ``iteration`` counts forwards from 0, so step ``s`` uses iterations
+    ``s * num_microbatches`` onwards. Both models get the same object, so neither may modify
+    it in place. ``loss_fn`` maps the output to a scalar (default :func:`sum_loss`; for a
+    model that returns an output object, e.g. ``lambda out: out.loss``);
+    ``optimizer_factory`` builds an optimizer from parameters (default
+    :func:`sgd_with_momentum`: unlike Adam, SGD's update scales with the gradient, so a wrong
+    gradient scale changes the parameters).
 
     Each step runs ``num_microbatches`` forward/backward passes, accumulating gradients.
     With ``no_sync``, all but the last run inside ``no_sync(sharded_model)`` for the sharded
     model and ``ddp.no_sync()`` for the reference. Checked: parameters before training;
     every microbatch's loss; gradients after backward; parameters after the optimizer step.
+    ``rtol``/``atol`` (one number, or one per dtype) replace the default tolerance, which
+    grows with the dtype's epsilon, the world size, the microbatches and the steps taken
+    (see [Note: default tolerances] in :mod:`reffsdp.testing.tolerances`).
+
+    Optional structure checks, made before training: ``block_types``, the classes of the
+    blocks the caller shards on their own, fail the check when they match no module of
+    ``sharded_model`` or when one of them was not sharded (a forgotten ``fully_shard``, a
+    block an auto-wrap policy missed); ``expected_counts``, collectives per step as
+    :func:`reffsdp.testing.expected_counts` computes them, fails the check when a step
+    issues other numbers of reffsdp all-gathers, reduce-scatters or all-reduces.
+
     Returns this rank's loss per step, summed over microbatches, as a :class:`TrainParity`
     (a list) that also carries the largest differences seen on any rank and the tolerances
     they were held to. A failure raises ``AssertionError`` (or fails ``test_case``); the
@@ -165,46 +191,69 @@ def check_train_parity(
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
+    _check_count_keys(expected_counts)
+    unsharded = preflight.unsharded_blocks_message(sharded_model, block_types)
+    if unsharded:
+        _fail(test_case, f"check_train_parity, before training: {unsharded}")
     loss_fn = loss_fn or sum_loss
     optimizer_factory = optimizer_factory or sgd_with_momentum
+    tolerances = Tolerances(
+        rtol, atol, world_size=dist.get_world_size(), num_microbatches=num_microbatches
+    )
+    other_weights = preflight.ranks_with_other_weights(ref_model)
     ddp_model = DistributedDataParallel(ref_model, **(ddp_kwargs or {}))
     ref_optim = optimizer_factory(ddp_model.parameters())
     optim = optimizer_factory(sharded_model.parameters())
 
     diffs = ParityDiffs()
 
-    def check_params(when: str) -> None:
+    def check_params(when: str, reductions: int, hint: str = "") -> None:
         problems = _param_problems(
             ref_model,
             sharded_model,
             prefixes_to_ignore,
             require_dtensor=False,
-            rtol=rtol,
-            atol=atol,
+            tolerances=tolerances,
+            reductions=reductions,
             diffs=diffs,
         )
-        _agree_and_report(test_case, f"check_train_parity, {when}", problems)
+        _agree_and_report(test_case, f"check_train_parity, {when}", problems, hint)
 
     ddp_no_sync = (lambda _: ddp_model.no_sync()) if no_sync is not None else None
     rank = dist.get_rank()
     step_losses = []
     try:
-        check_params("before training")
+        weights_hint = preflight.WEIGHTS_HINT.format(ranks=other_weights) if other_weights else ""
+        check_params("before training", 0, weights_hint)
         for step in range(num_steps):
             first = step * num_microbatches
             inputs = [make_inputs(i, rank) for i in range(first, first + num_microbatches)]
             ref_optim.zero_grad()
             optim.zero_grad()
             ref_losses = _forward_backward(ddp_model, inputs, loss_fn, ddp_no_sync)
-            losses = _forward_backward(sharded_model, inputs, loss_fn, no_sync)
-            loss_problems = _loss_problems(losses, ref_losses, rtol, atol, diffs)
-            _agree_and_report(test_case, f"check_train_parity, step {step} losses", loss_problems)
-            check_params(f"step {step} after backward")
+            tally = CommTally()
+            with _counting(tally, expected_counts):
+                losses = _forward_backward(sharded_model, inputs, loss_fn, no_sync)
+            loss_problems = _loss_problems(losses, ref_losses, tolerances, max(step, 1), diffs)
+            _agree_and_report(
+                test_case,
+                f"check_train_parity, step {step} losses",
+                loss_problems,
+                _dropout_hint(ref_model) if step == 0 else "",
+            )
+            check_params(f"step {step} after backward", step + 1)
             if step == 0:
                 _check_gradients_not_vacuous(ref_model)
             ref_optim.step()
-            optim.step()
-            check_params(f"step {step} after the optimizer step")
+            with _counting(tally, expected_counts):
+                optim.step()
+            if expected_counts is not None:
+                _agree_and_report(
+                    test_case,
+                    f"check_train_parity, step {step} collectives",
+                    _count_problems(tally, expected_counts),
+                )
+            check_params(f"step {step} after the optimizer step", step + 1)
             step_losses.append(sum(_full(loss).item() for loss in losses))
     except AssertionError as error:
         error.parity = diffs  # type: ignore[attr-defined]
@@ -297,9 +346,12 @@ class LowPrecisionCompute(nn.Module):
 
     FSDP computes with ``param_dtype`` copies of the parameters and reduces gradients in
     fp32 while the optimizer steps the fp32 shards. This module does the same without
-    sharding: it runs ``module`` through ``functional_call`` with every parameter and the
-    input cast to ``param_dtype`` (output cast to ``output_dtype`` when given), so autograd
-    returns the low-precision gradient cast to fp32, which DDP then averages in fp32.
+    sharding: it runs ``module`` through ``functional_call`` with every parameter and every
+    floating-point tensor of the inputs cast to ``param_dtype`` (floating-point outputs cast
+    to ``output_dtype`` when given), so autograd returns the low-precision gradient cast to
+    fp32, which DDP then averages in fp32. Inputs and outputs may be any nesting of tuples,
+    lists, dicts and dataclasses; integer tensors (token ids, masks) pass unchanged, as
+    FSDP's own input cast leaves them.
     Pair it with :class:`Passthrough` around the sharded model so parameter names match.
     With ``buffer_dtype`` floating-point buffers are cast too (the wrapper API's
     ``MixedPrecision.buffer_dtype``).
@@ -318,14 +370,20 @@ class LowPrecisionCompute(nn.Module):
         self.output_dtype = output_dtype
         self.buffer_dtype = buffer_dtype
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         params = {name: p.to(self.param_dtype) for name, p in self.module.named_parameters()}
         if self.buffer_dtype is not None:
             for name, buffer in self.module.named_buffers():
                 if buffer.is_floating_point():
                     params[name] = buffer.to(self.buffer_dtype)
-        out = torch.func.functional_call(self.module, params, (x.to(self.param_dtype),))
-        return out if self.output_dtype is None else out.to(self.output_dtype)
+        args, kwargs = _cast_floating((args, kwargs), self.param_dtype)
+        out = torch.func.functional_call(self.module, params, args, kwargs)
+        return out if self.output_dtype is None else _cast_floating(out, self.output_dtype)
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with every floating-point tensor cast to ``dtype``, the others unchanged."""
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 class Passthrough(nn.Module):
@@ -406,10 +464,25 @@ def all_reduce_off(module: nn.Module) -> Iterator[None]:
         module.set_requires_all_reduce(True)  # type: ignore[operator]
 
 
-def sum_loss(output: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-    """The sum of every element of ``output`` (a tensor or a sequence of tensors), in fp32."""
-    tensors = output if isinstance(output, (tuple, list)) else (output,)
-    return torch.stack([tensor.float().sum() for tensor in tensors]).sum()
+def sum_loss(output: Any) -> torch.Tensor:
+    """The sum of every element of every tensor in ``output``, in fp32.
+
+    ``output`` is a tensor or any nesting of tuples, lists and dicts of tensors (``None``
+    entries are skipped). A model that returns something else, such as an output object that
+    holds a cache, needs a ``loss_fn`` of its own: ``TypeError`` says so.
+    """
+    leaves = [leaf for leaf in tree_leaves(output) if leaf is not None]
+    others = sorted({type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)})
+    if others or not leaves:
+        if leaves == [output]:
+            found = f"it returned a {type(output).__name__}"
+        else:
+            found = f"its {type(output).__name__} holds {', '.join(others) or 'no tensor'}"
+        raise TypeError(
+            f"sum_loss adds up the tensors a model returns, but {found}; pass loss_fn= "
+            "mapping the output to a scalar, e.g. loss_fn=lambda out: out.loss"
+        )
+    return torch.stack([tensor.float().sum() for tensor in leaves]).sum()
 
 
 def sgd_with_momentum(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -438,14 +511,19 @@ def _param_problems(
     prefixes_to_ignore: Sequence[str],
     *,
     require_dtensor: bool,
-    rtol: float | None,
-    atol: float | None,
+    tolerances: Tolerances,
+    reductions: int = 1,
     diffs: ParityDiffs | None = None,
 ) -> list[str]:
-    """One line per parameter or gradient of ``model`` that differs from ``ref_model``."""
+    """One line per parameter or gradient of ``model`` that differs from ``ref_model``.
+
+    ``reductions``: how many gradient reductions can have reached the values (see
+    [Note: default tolerances] in :mod:`reffsdp.testing.tolerances`).
+    """
+    compare = _Comparison(tolerances, reductions, diffs)
     unflattened = unflattened_params(model, prefixes_to_ignore)
     if unflattened is not None:
-        return _unflattened_problems(ref_model, unflattened, rtol=rtol, atol=atol, diffs=diffs)
+        return _unflattened_problems(ref_model, unflattened, compare)
     ref_named = list(ref_model.named_parameters())
     named = list(model.named_parameters())
     ref_names = [name for name, _ in ref_named]
@@ -457,9 +535,7 @@ def _param_problems(
         if not isinstance(param, DTensor) and require_dtensor:
             problems.append(f"{name!r} is a {type(param).__name__}, expected a DTensor")
             continue
-        problems += _tensor_problems(
-            f"param {name!r}", ref_param, param, param, rtol, atol, diffs, "param"
-        )
+        problems += _tensor_problems(f"param {name!r}", ref_param, param, param, compare, "param")
         if ref_param.grad is None or param.grad is None:
             if (ref_param.grad is None) != (param.grad is None):
                 problems.append(
@@ -469,7 +545,7 @@ def _param_problems(
                 )
             continue
         problems += _tensor_problems(
-            f"grad of {name!r}", ref_param.grad, param.grad, param, rtol, atol, diffs, "grad"
+            f"grad of {name!r}", ref_param.grad, param.grad, param, compare, "grad"
         )
     return problems
 
@@ -479,10 +555,8 @@ def _tensor_problems(
     ref: torch.Tensor,
     actual: torch.Tensor,
     param: torch.Tensor,
-    rtol: float | None,
-    atol: float | None,
-    diffs: ParityDiffs | None = None,
-    kind: str = "param",
+    compare: _Comparison,
+    kind: str,
 ) -> list[str]:
     """Compare ``actual`` with ``ref`` cut the way ``param`` is sharded (if it is a DTensor)."""
     where = f"{what} on rank {dist.get_rank()}"
@@ -502,29 +576,50 @@ def _tensor_problems(
         actual = actual.to_local()
     else:
         expected = ref
-    mismatch = _mismatch(actual.detach(), expected.detach(), rtol, atol, diffs, kind)
+    mismatch = compare(actual.detach(), expected.detach(), kind, scale=ref.detach())
     return [f"{where}: {mismatch}"] if mismatch else []
+
+
+@dataclasses.dataclass(frozen=True)
+class _Comparison:
+    """Compares tensors under ``tolerances`` and records the differences in ``diffs``."""
+
+    tolerances: Tolerances
+    reductions: int = 1
+    diffs: ParityDiffs | None = None
+
+    def __call__(
+        self,
+        actual: torch.Tensor,
+        expected: torch.Tensor,
+        kind: str,
+        scale: torch.Tensor | None = None,
+    ) -> str | None:
+        """How ``actual`` differs from ``expected``, or ``None`` when they are close.
+
+        ``scale``: the whole reference tensor when ``expected`` is a piece of it. The
+        largest difference is recorded in ``diffs`` as ``kind`` ("loss", "grad", "param").
+        """
+        return _mismatch(
+            actual, expected, self.tolerances, scale, self.reductions, self.diffs, kind
+        )
 
 
 def _mismatch(
     actual: torch.Tensor,
     expected: torch.Tensor,
-    rtol: float | None,
-    atol: float | None,
+    tolerances: Tolerances,
+    scale: torch.Tensor | None = None,
+    reductions: int = 1,
     diffs: ParityDiffs | None = None,
     kind: str = "param",
 ) -> str | None:
-    """How ``actual`` differs from ``expected``, or ``None`` when they are close.
-
-    With ``diffs``, the largest difference is recorded there as ``kind``.
-    """
+    """How ``actual`` differs from ``expected``, or ``None`` when they are close."""
     if actual.shape != expected.shape:
         return f"shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
     if actual.dtype != expected.dtype:
         return f"dtype {actual.dtype}, expected {expected.dtype}"
-    default_rtol, default_atol = _DEFAULT_TOLERANCES.get(actual.dtype, (0.0, 0.0))
-    rtol = default_rtol if rtol is None else rtol
-    atol = default_atol if atol is None else atol
+    rtol, atol = tolerances.for_comparison(expected, scale, reductions)
     if diffs is not None:
         diffs.observe(kind, actual, expected, rtol, atol)
     if torch.allclose(actual, expected, rtol=rtol, atol=atol, equal_nan=True):
@@ -536,13 +631,14 @@ def _mismatch(
 def _loss_problems(
     losses: list[torch.Tensor],
     ref_losses: list[torch.Tensor],
-    rtol: float | None,
-    atol: float | None,
-    diffs: ParityDiffs | None = None,
+    tolerances: Tolerances,
+    reductions: int,
+    diffs: ParityDiffs,
 ) -> list[str]:
+    compare = _Comparison(tolerances, reductions, diffs)
     problems = []
     for microbatch, (loss, ref_loss) in enumerate(zip(losses, ref_losses)):
-        mismatch = _mismatch(_full(loss), _full(ref_loss), rtol, atol, diffs, "loss")
+        mismatch = compare(_full(loss), _full(ref_loss), "loss")
         if mismatch:
             problems.append(
                 f"loss of microbatch {microbatch} on rank {dist.get_rank()}: "
@@ -579,11 +675,14 @@ def _call(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
-def _agree_and_report(test_case: unittest.TestCase | None, stage: str, problems: list[str]) -> None:
+def _agree_and_report(
+    test_case: unittest.TestCase | None, stage: str, problems: list[str], hint: str = ""
+) -> None:
     """Fail on every rank if any rank has problems; see [Note: ranks agree on the verdict].
 
     ``stage`` names the check (``"check_train_parity, step 0 after backward"``) and starts
-    the failure message on every rank.
+    the failure message on every rank; ``hint``, when given, ends it on every rank (what
+    the failure likely means and how to fix it).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     failed = torch.zeros(world_size, device=_flag_device())
@@ -599,9 +698,62 @@ def _agree_and_report(test_case: unittest.TestCase | None, stage: str, problems:
         message = f"{stage}: parity check failed on rank {rank}:\n  " + "\n  ".join(shown)
     else:
         message = f"{stage}: parity check failed on rank(s) {failed_ranks}; rank {rank} matched"
+    if hint:
+        message += f"\n  Likely cause: {hint}"
+    _fail(test_case, message)
+
+
+def _fail(test_case: unittest.TestCase | None, message: str) -> None:
     if test_case is not None:
         test_case.fail(message)
     raise AssertionError(message)
+
+
+def _dropout_hint(ref_model: nn.Module) -> str:
+    """For a loss that differs at step 0: the model's dropout draws different masks."""
+    dropout = preflight.active_dropout(ref_model)
+    if not dropout:
+        return ""
+    shown = ", ".join(dropout[:4]) + (", ..." if len(dropout) > 4 else "")
+    return (
+        f"the model has dropout in training mode ({shown}); the reference and the sharded "
+        "model draw different random masks. Set the dropout probabilities to 0 (e.g. in the "
+        "model's config) for a parity test"
+    )
+
+
+def _check_count_keys(expected_counts: Mapping[str, float] | None) -> None:
+    if expected_counts is None:
+        return
+    unknown = sorted(set(expected_counts) - set(COUNT_KEYS))
+    if unknown:
+        raise ValueError(
+            f"expected_counts has unknown key(s) {unknown}; the keys are {list(COUNT_KEYS)} "
+            "(what reffsdp.testing.expected_counts returns)"
+        )
+
+
+def _counting(tally: CommTally, expected_counts: Mapping[str, float] | None):
+    """Count this rank's reffsdp collectives into ``tally`` when counts are expected."""
+    if expected_counts is None:
+        return contextlib.nullcontext()
+    return observe_collectives(tally.observe)
+
+
+def _count_problems(tally: CommTally, expected_counts: Mapping[str, float]) -> list[str]:
+    counts, _ = tally.per_step(1)
+    wrong = [
+        f"{key} {counts[key]:g}, expected {want:g}"
+        for key, want in expected_counts.items()
+        if counts[key] != want
+    ]
+    if not wrong:
+        return []
+    return [
+        f"reffsdp's collectives on rank {dist.get_rank()}: " + "; ".join(wrong) + " (a group "
+        "sharded or wrapped differently than expected, a missing prefetch, or a reduction "
+        "too many)"
+    ]
 
 
 def _flag_device() -> torch.device:
@@ -736,10 +888,7 @@ def _gather_flat(shard: torch.Tensor, group: dist.ProcessGroup | None) -> torch.
 def _unflattened_problems(
     ref_model: nn.Module,
     unflattened: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
-    *,
-    rtol: float | None,
-    atol: float | None,
-    diffs: ParityDiffs | None = None,
+    compare: _Comparison,
 ) -> list[str]:
     ref_named = dict(ref_model.named_parameters())
     if sorted(unflattened) != sorted(ref_named):
@@ -751,7 +900,7 @@ def _unflattened_problems(
     where = f"on rank {dist.get_rank()}"
     for name, ref_param in ref_named.items():
         param, grad = unflattened[name]
-        mismatch = _mismatch(param.detach(), ref_param.detach(), rtol, atol, diffs, "param")
+        mismatch = compare(param.detach(), ref_param.detach(), "param")
         if mismatch:
             problems.append(f"param {name!r} {where}: {mismatch}")
         if ref_param.grad is None or grad is None:
@@ -761,7 +910,7 @@ def _unflattened_problems(
                     f"{_none_or_set(ref_param.grad)}"
                 )
             continue
-        mismatch = _mismatch(grad.detach(), ref_param.grad.detach(), rtol, atol, diffs, "grad")
+        mismatch = compare(grad.detach(), ref_param.grad.detach(), "grad")
         if mismatch:
             problems.append(f"grad of {name!r} {where}: {mismatch}")
     return problems

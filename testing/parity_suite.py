@@ -48,8 +48,12 @@ import torch.distributed as dist
 from .expected_comms import CommTally, expected_per_step
 from .parity import ParityDiffs, check_train_parity
 from .patching import observe_collectives
+from .preflight import check_block_types
 from .suite_scenarios import (
     APIS,
+    CUSTOM_FEATURES,
+    CUSTOM_OPTIONAL_FEATURES,
+    FEATURES,
     MESHES,
     WRAPPER_MESHES,
     BuiltScenario,
@@ -59,6 +63,7 @@ from .suite_scenarios import (
     build_scenario,
     select,
 )
+from .tolerances import Tolerance
 
 BACKENDS = ("threaded", "gloo", "nccl")
 _SCENARIO_TIMEOUT_S = 300.0
@@ -583,9 +588,6 @@ class ParityScenario:
         return _run_threaded_one(self.spec, options)
 
 
-_CUSTOM_FEATURES = ("fp32", "reshard", "accum", "offload", "sd-full", "sd-sharded")
-
-
 def parity_scenarios(
     model_factory: Callable[[], torch.nn.Module] | None = None,
     make_inputs: Callable[[int, int], Any] | None = None,
@@ -598,6 +600,10 @@ def parity_scenarios(
     steps: int = 3,
     seed: int = 0,
     name: str = "custom",
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer_factory: Callable[[Any], torch.optim.Optimizer] | None = None,
+    rtol: Tolerance = None,
+    atol: Tolerance = None,
 ) -> list[ParityScenario]:
     """Parity scenarios to run in your own test suite.
 
@@ -605,10 +611,25 @@ def parity_scenarios(
     ``features``. With it: your model under both APIs (or ``apis``), on the ``1d`` and
     ``hsdp`` meshes (or ``meshes``), with the features ``fp32``, ``reshard``, ``accum``,
     ``offload``, ``sd-full`` and ``sd-sharded`` (or ``features``; ``bf16`` and
-    ``orig-params`` may be added; ``bf16`` needs floating-point inputs). ``model_factory()``
-    builds the unsharded model on the CPU; ``make_inputs(iteration, rank)`` returns one
-    forward's inputs; each module of ``block_types`` is sharded (or wrapped) on its own
-    before the root. The scenario names read ``"<api>/<mesh>/<feature>/<name>"``.
+    ``orig-params`` may be added; ``orig-params`` runs under the wrapper only).
+    ``model_factory()`` builds the unsharded model on the CPU; each scenario builds it seeded
+    and then copies rank 0's weights to every rank, so a factory that draws its weights from
+    torch's RNG gives every rank the same model. ``make_inputs(iteration, rank)`` returns one
+    forward's inputs: a tensor, a tuple of positional arguments or a dict of keyword
+    arguments, tensors nested in them moved to the scenario's device. Each module of
+    ``block_types`` is sharded (or wrapped) on its own before the root; classes that match
+    no module fail the scenario, as does a block left unsharded.
+
+    ``loss_fn`` maps the model's output to a scalar (default: the sum of every output
+    tensor; a model returning an output object needs one, e.g. ``lambda out: out.loss``);
+    ``optimizer_factory`` builds an optimizer from parameters (default: plain SGD,
+    ``lr=1e-3``); ``rtol``/``atol`` replace the default tolerance, which is derived from
+    the dtype and the world size (see [Note: default tolerances] in
+    :mod:`reffsdp.testing.tolerances`), with one number for every dtype or a mapping per
+    dtype. The scenario names read ``"<api>/<mesh>/<feature>/<name>"``.
+
+    Unknown ``apis``, ``meshes`` or ``features``, and a selection that leaves no scenario,
+    raise ``ValueError``.
     """
     if (model_factory is None) != (make_inputs is None):
         raise ValueError("pass both model_factory and make_inputs, or neither")
@@ -616,12 +637,32 @@ def parity_scenarios(
     if unknown:
         raise ValueError(f"unknown API(s) {unknown}; pick from {list(APIS)}")
     if model_factory is None:
+        custom_options = {
+            "block_types": block_types,
+            "loss_fn": loss_fn,
+            "optimizer_factory": optimizer_factory,
+            "rtol": rtol,
+            "atol": atol,
+        }
+        given = [key for key, value in custom_options.items() if value not in (None, ())]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to your own model: pass model_factory")
+        _check_features(features, FEATURES)
         specs = select(all_specs(), api=tuple(apis), mesh=tuple(meshes or ()))
         if features is not None:
             specs = [spec for spec in specs if spec.feature in features]
     else:
         assert make_inputs is not None
-        custom = CustomModel(model_factory, make_inputs, tuple(block_types))
+        _check_features(features, (*CUSTOM_FEATURES, *CUSTOM_OPTIONAL_FEATURES))
+        custom = CustomModel(
+            model_factory,
+            make_inputs,
+            check_block_types(block_types),
+            loss_fn=loss_fn,
+            optimizer_factory=optimizer_factory,
+            rtol=rtol,
+            atol=atol,
+        )
         wanted_meshes = tuple(meshes or WRAPPER_MESHES)
         bad = sorted(set(wanted_meshes) - set(WRAPPER_MESHES))
         if bad:
@@ -632,10 +673,15 @@ def parity_scenarios(
         specs = []
         for api in apis:
             for mesh in wanted_meshes:
-                for feature in features or _CUSTOM_FEATURES:
+                for feature in features or CUSTOM_FEATURES:
                     if feature == "orig-params" and api != "wrapper":
                         continue
                     specs.append(ScenarioSpec(api, mesh, feature, name, custom=custom))
+    if not specs:
+        raise ValueError(
+            f"no scenario runs apis={list(apis)}, meshes={meshes}, features={features} "
+            "(orig-params runs under the wrapper only)"
+        )
     options = SuiteOptions(world_size=world_size)
     return [
         ParityScenario(
@@ -643,6 +689,14 @@ def parity_scenarios(
         )
         for spec in specs
     ]
+
+
+def _check_features(features: Sequence[str] | None, known: Sequence[str]) -> None:
+    if isinstance(features, str):
+        raise TypeError(f"features is a sequence of names, e.g. [{features!r}], not a string")
+    unknown = sorted(set(features or ()) - set(known))
+    if unknown:
+        raise ValueError(f"unknown feature(s) {unknown}; pick from {list(known)}")
 
 
 __all__ = [

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 from .build import build_seeded
 from .expected_comms import CommUnit, StepShape, fully_shard_units, wrapper_units
@@ -69,6 +70,8 @@ from .parity import (
     broadcast_params_from_rank0,
     gradient_sync_off,
 )
+from .preflight import blocks_of, unsharded_blocks_message
+from .tolerances import Tolerance
 
 APIS = ("fully_shard", "wrapper")
 MESHES = ("1d", "hsdp", "2d", "3d")
@@ -88,6 +91,9 @@ FEATURES = (
 )
 TP_MESHES = ("2d", "3d")
 WRAPPER_MESHES = ("1d", "hsdp")
+# A user's model runs these by default, and may add the optional ones.
+CUSTOM_FEATURES = ("fp32", "reshard", "accum", "offload", "sd-full", "sd-sharded")
+CUSTOM_OPTIONAL_FEATURES = ("bf16", "orig-params")
 
 MLP_DIM = 5  # 15-row layers: uneven shards on 2 and 4 ranks
 TP_DIM = 8  # tensor parallelism splits the hidden widths in two
@@ -133,13 +139,32 @@ _MODEL_HSDP = {
 @dataclasses.dataclass(frozen=True)
 class CustomModel:
     """A user's model for :func:`reffsdp.testing.parity_scenarios`: ``model_factory()``
-    builds it unsharded (on the CPU; the scenario moves it), ``make_inputs(iteration,
-    rank)`` gives one forward's inputs, and every module of ``block_types`` gets its own
-    parameter group (``fully_shard``) or wrapper instance before the root."""
+    builds it unsharded (on the CPU; the scenario moves it and makes it rank 0's on every
+    rank), ``make_inputs(iteration, rank)`` gives one forward's inputs (any nesting of
+    tensors; moved to the scenario's device), and every module of ``block_types`` gets its
+    own parameter group (``fully_shard``) or wrapper instance before the root.
+
+    ``loss_fn``, ``optimizer_factory``, ``rtol`` and ``atol`` go to
+    :func:`~reffsdp.testing.parity.check_train_parity` (``None``: the suite's optimizer,
+    :class:`LocalSGD`, and the check's defaults).
+    """
 
     model_factory: Callable[[], nn.Module]
     make_inputs: Callable[[int, int], Any]
     block_types: tuple[type[nn.Module], ...] = ()
+    loss_fn: Callable[[Any], torch.Tensor] | None = None
+    optimizer_factory: Callable[[Any], torch.optim.Optimizer] | None = None
+    rtol: Tolerance = None
+    atol: Tolerance = None
+
+    def check_kwargs(self) -> dict[str, Any]:
+        """The arguments of ``check_train_parity`` this model sets."""
+        kwargs: dict[str, Any] = {"rtol": self.rtol, "atol": self.atol}
+        if self.loss_fn is not None:
+            kwargs["loss_fn"] = self.loss_fn
+        if self.optimizer_factory is not None:
+            kwargs["optimizer_factory"] = self.optimizer_factory
+        return kwargs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +301,11 @@ def _new_model(spec: ScenarioSpec, device: torch.device, seed: int) -> nn.Module
 
 def _inputs(spec: ScenarioSpec, device: torch.device) -> Callable[[int, int], Any]:
     if spec.custom is not None:
-        return spec.custom.make_inputs
+        make_inputs = spec.custom.make_inputs
+        to_device = lambda t: t.to(device)  # noqa: E731
+        return lambda iteration, rank: tree_map_only(
+            torch.Tensor, to_device, make_inputs(iteration, rank)
+        )
     same_within = 2 if spec.mesh in TP_MESHES else 1  # a TP group sees one batch
     if spec.model == "mlp":
         dim = TP_DIM if spec.mesh in TP_MESHES else MLP_DIM
@@ -290,8 +319,7 @@ def _blocks(model: nn.Module, spec: ScenarioSpec) -> list[nn.Module]:
     """The modules sharded (or wrapped) before the root."""
     model_kind = spec.model
     if spec.custom is not None:
-        types = tuple(spec.custom.block_types)
-        return [m for m in model.modules() if m is not model and isinstance(m, types)]
+        return blocks_of(model, spec.custom.block_types)
     if model_kind == "transformer":
         return list(model.layers)
     if model_kind == "convnet":
@@ -450,6 +478,11 @@ def build_scenario(spec: ScenarioSpec, device: torch.device, *, seed: int = 0) -
     ref_model = copy.deepcopy(model)
     model, units = _shard(spec, model, mesh)
     check_kwargs: dict[str, Any] = {"optimizer_factory": LocalSGD}
+    if spec.custom is not None:
+        unsharded = unsharded_blocks_message(model, spec.custom.block_types)
+        if unsharded:
+            raise AssertionError(f"{spec.name}: {unsharded}")
+        check_kwargs.update(spec.custom.check_kwargs())
     microbatches = 1
     if spec.feature == "accum":
         microbatches = 2

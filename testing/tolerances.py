@@ -1,0 +1,177 @@
+"""How far a sharded model may drift from its reference before a parity check fails.
+
+[Note: default tolerances]
+Sharded training and its ``DistributedDataParallel`` reference add up the same numbers in
+different orders, and floating-point addition is not associative, so their gradients differ
+in the last bits. How many bits depends on three things: the dtype, how many terms are
+summed, and the shape of the tree that sums them. The default tolerance is derived from
+them; it is not a fixed number that a larger world or a larger loss outgrows.
+
+1. One rounding: every addition or scaling rounds to the nearest representable value, an
+   error of at most ``u = eps / 2`` relative to the result (``eps = torch.finfo(dtype).eps``:
+   ``1.19e-7`` for fp32, ``7.81e-3`` for bf16).
+2. One reduction: each gradient element averages the W ranks' local gradients
+   ``g_1 .. g_W``. Summed along a tree where a term passes through at most ``d`` additions,
+   the result is within ``d * u * sum(|g_i|)`` of the exact sum. DDP's all-reduce over W
+   ranks has ``d <= W - 1`` (a ring or a chain carries the first term through every
+   addition). FSDP reduce-scatters over the S ranks of a shard group and, for HSDP, then
+   all-reduces the shard over the R replicas: ``d <= (S - 1) + (R - 1)``, again at most
+   ``W - 1`` since ``S * R = W``; a checker that may meet any tree takes ``W - 1`` for it.
+   Averaging scales once or twice on each side (``AVG``, or a pre- and a post-divide
+   factor): up to 4 more roundings. Accumulating M microbatches adds ``M - 1`` additions
+   on each side. So one reduction's results differ by at most ``n * u * mean(|g_i|)``, with
+
+       n = 2 (W - 1) + 2 (M - 1) + 4
+
+3. The scale: ``mean(|g_i|)`` is gone once the gradients are reduced, so the checker takes
+   the largest magnitude of the reference tensor in its place, and allows ``n * eps``
+   times it (twice the bound of 2: the ranks' terms can be larger than their average
+   when they cancel). The comparison is normwise, ``max |actual - expected| <= tol *
+   max |expected|``, which also covers an element that cancels to nearly zero: its
+   rounding error is set by the size of the terms, not by the small result.
+4. Training compounds: a step's update carries that step's rounding into the weights, and
+   the next forward and backward start from weights that already differ, which the step
+   can stretch further. The allowance doubles with every reduction a value can have seen:
+   ``2 ** k`` times the tolerance of 3, with ``k = s + 1`` for the gradients and weights
+   of step ``s`` and ``k = max(s, 1)`` for its loss (a check that starts from weights
+   trained apart before, as after reloading a checkpoint, gets one reduction's allowance at
+   its first step). Measured on GPT-2 and Llama over 4 threaded ranks (cross-entropy, and
+   a plain sum of logits whose training runs away), the largest difference reached about
+   half of it.
+
+So the default is ``2 ** k * n * eps * max |expected|``.
+
+Worked example: W = 4 ranks, fp32, one microbatch, HSDP over 2 replicas of 2-rank shard
+groups. DDP sums a gradient element of the four ranks as ``((g1 + g2) + g3) + g4``
+(``d = 3``); HSDP reduce-scatters within each shard group, ``g1 + g2`` and ``g3 + g4``
+(one addition each), then all-reduces across the replicas, ``(g1 + g2) + (g3 + g4)``
+(``d = 1 + 1 = 2 <= 3``). ``n = 2 * 3 + 0 + 4 = 10``, so the gradients of step 0 may
+differ by ``2 * 10 * 1.19e-7 = 2.4e-6`` of the tensor's largest magnitude, those of step
+2 by ``8 * 10 * 1.19e-7 = 9.5e-6``. A gradient whose largest element is 20 may differ by
+``4.8e-5`` at step 0 and ``1.9e-4`` at step 2, where a fixed ``atol=1e-5`` (with
+``rtol=1.3e-6``) fails an element of 8 that differs by ``2.3e-5``, within the rounding the
+reduction itself makes. A wrong divide factor (a factor 2) or a gradient reduced in bf16
+where fp32 was asked for (``3.9e-3`` relative) is still hundreds of times over it.
+
+What this does not cover: an optimizer that divides by a running gradient magnitude
+(Adam's ``sqrt(v)``) turns the rounding noise of a gradient element near zero into an
+update of up to ``lr`` (give it an ``atol`` of that order), and a loss that grows without
+bound while training (a plain sum of logits) amplifies every difference step after step
+(use a bounded loss, e.g. the model's cross-entropy).
+
+A tolerance the caller gives (``rtol``/``atol``, one number for every dtype or a mapping
+from dtype to number) replaces this for the dtypes it names, and is applied elementwise as
+``torch.allclose`` does: ``|actual - expected| <= atol + rtol * |expected|``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+# One number for every dtype, or one per dtype; None: the derived default.
+Tolerance = float | Mapping[torch.dtype, float] | None
+
+_SCALINGS_PER_SIDE = 2  # AVG, or a pre-divide and a post-divide factor
+
+
+def reduction_roundings(world_size: int, num_microbatches: int = 1) -> int:
+    """``n`` of [Note: default tolerances]: the roundings by which one reduction of the
+    sharded model and one of the reference can differ.
+
+    >>> reduction_roundings(4)  # DDP's and any FSDP tree over 4 ranks: 3 + 3, plus 4 scalings
+    10
+    >>> reduction_roundings(4, num_microbatches=2)
+    12
+    """
+    if world_size < 1 or num_microbatches < 1:
+        raise ValueError(
+            f"world_size and num_microbatches must be at least 1, got {world_size} and "
+            f"{num_microbatches}"
+        )
+    return 2 * (world_size - 1) + 2 * (num_microbatches - 1) + 2 * _SCALINGS_PER_SIDE
+
+
+def default_tolerance(
+    dtype: torch.dtype, world_size: int, num_microbatches: int = 1, reductions: int = 1
+) -> float:
+    """The normwise tolerance of [Note: default tolerances]: ``2 ** reductions * n * eps``
+    (``reductions`` at least 1).
+
+    >>> f"{default_tolerance(torch.float32, 4):.3g}"  # the gradients of step 0
+    '2.38e-06'
+    >>> f"{default_tolerance(torch.float32, 4, reductions=3):.3g}"  # those of step 2
+    '9.54e-06'
+    """
+    if not dtype.is_floating_point:
+        return 0.0
+    eps = torch.finfo(dtype).eps
+    growth = 2 ** max(reductions, 1)
+    return growth * reduction_roundings(world_size, num_microbatches) * eps
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerances:
+    """What a parity check holds one comparison to.
+
+    ``rtol``/``atol`` are the caller's (see :data:`Tolerance`); where they name no value for
+    a dtype, the default of [Note: default tolerances] for ``world_size`` ranks and
+    ``num_microbatches`` applies.
+    """
+
+    rtol: Tolerance = None
+    atol: Tolerance = None
+    world_size: int = 1
+    num_microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("rtol", "atol"):
+            value = getattr(self, name)
+            values = value.values() if isinstance(value, Mapping) else [value]
+            if any(v is not None and v < 0 for v in values):
+                raise ValueError(f"{name} must not be negative, got {value}")
+
+    def given(self, dtype: torch.dtype) -> tuple[float, float] | None:
+        """The caller's ``(rtol, atol)`` for ``dtype``, or ``None`` if they named neither.
+
+        Like ``torch.testing.assert_close``, both or neither: one alone is refused.
+        """
+        rtol, atol = _pick(self.rtol, dtype), _pick(self.atol, dtype)
+        if rtol is None and atol is None:
+            return None
+        if rtol is None or atol is None:
+            missing = "rtol" if rtol is None else "atol"
+            raise ValueError(
+                f"a tolerance for {dtype} needs both rtol and atol, got no {missing}; "
+                "give both (0 is allowed), or neither for the derived default"
+            )
+        return rtol, atol
+
+    def for_comparison(
+        self, expected: torch.Tensor, scale: torch.Tensor | None, reductions: int
+    ) -> tuple[float, float]:
+        """``(rtol, atol)`` for comparing a tensor with ``expected``.
+
+        ``scale`` is the whole reference tensor when ``expected`` is one rank's piece of it
+        (its largest magnitude sets the default's scale on every rank); ``reductions``
+        counts the reductions whose rounding can have reached the values (point 4 of the
+        note).
+        """
+        given = self.given(expected.dtype)
+        if given is not None:
+            return given
+        whole = expected if scale is None else scale
+        if not whole.is_floating_point() or not whole.numel():
+            return 0.0, 0.0
+        # Non-finite values must match exactly (NaN with NaN): they set no scale.
+        magnitude = whole.detach().abs().nan_to_num(0.0, 0.0, 0.0).max().item()
+        tol = default_tolerance(expected.dtype, self.world_size, self.num_microbatches, reductions)
+        return 0.0, tol * magnitude
+
+
+def _pick(value: Tolerance, dtype: torch.dtype) -> float | None:
+    if isinstance(value, Mapping):
+        return value.get(dtype)
+    return value
