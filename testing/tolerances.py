@@ -37,9 +37,12 @@ them; it is not a fixed number that a larger world or a larger loss outgrows.
    trained apart before, as after reloading a checkpoint, gets one reduction's allowance at
    its first step). Measured on GPT-2 and Llama over 4 threaded ranks (cross-entropy, and
    a plain sum of logits whose training runs away), the largest difference reached about
-   half of it.
+   half of it. The doubling stops at ``k = 6`` (64 times point 3): beyond that a longer
+   run would loosen the check until it could no longer fail (fp32 at 4 ranks allows
+   ``7.6e-5`` of the largest magnitude then, still far below a wrong divide factor); a run
+   whose differences keep growing past it needs a tolerance of its own.
 
-So the default is ``2 ** k * n * eps * max |expected|``.
+So the default is ``2 ** min(k, 6) * n * eps * max |expected|``.
 
 Worked example: W = 4 ranks, fp32, one microbatch, HSDP over 2 replicas of 2-rank shard
 groups. DDP sums a gradient element of the four ranks as ``((g1 + g2) + g3) + g4``
@@ -75,6 +78,7 @@ import torch
 Tolerance = float | Mapping[torch.dtype, float] | None
 
 _SCALINGS_PER_SIDE = 2  # AVG, or a pre-divide and a post-divide factor
+MAX_DOUBLINGS = 6  # point 4 of the note: the allowance grows no further
 
 
 def reduction_roundings(world_size: int, num_microbatches: int = 1) -> int:
@@ -98,17 +102,20 @@ def default_tolerance(
     dtype: torch.dtype, world_size: int, num_microbatches: int = 1, reductions: int = 1
 ) -> float:
     """The normwise tolerance of [Note: default tolerances]: ``2 ** reductions * n * eps``
-    (``reductions`` at least 1).
+    (``reductions`` from 1 to ``MAX_DOUBLINGS``).
 
     >>> f"{default_tolerance(torch.float32, 4):.3g}"  # the gradients of step 0
     '2.38e-06'
     >>> f"{default_tolerance(torch.float32, 4, reductions=3):.3g}"  # those of step 2
     '9.54e-06'
+    >>> default_tolerance(torch.float32, 4, reductions=50) == default_tolerance(
+    ...     torch.float32, 4, reductions=6)  # a long run keeps step 5's allowance
+    True
     """
     if not dtype.is_floating_point:
         return 0.0
     eps = torch.finfo(dtype).eps
-    growth = 2 ** max(reductions, 1)
+    growth = 2 ** min(max(reductions, 1), MAX_DOUBLINGS)
     return growth * reduction_roundings(world_size, num_microbatches) * eps
 
 
