@@ -8,6 +8,8 @@ Downstream projects import it as ``reffsdp.testing``::
 ``python -m reffsdp.testing`` runs the parity suite (sharded training against DDP).
 """
 
+from reffsdp.core.comms import Collective
+
 from .build import fsdp_modules, reference_and_model, shard_bottom_up
 from .comm_counter import CommCounter, all_gather_numel
 from .common import DistributedTestMixin
@@ -59,6 +61,7 @@ __all__ = [
     "ParityScenario",
     "Passthrough",
     "TrainParity",
+    "Collective",
     "CommCounter",
     "ConvNet",
     "DistributedTestMixin",
