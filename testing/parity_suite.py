@@ -34,10 +34,11 @@ holds every failing rank's mismatches, and its differences are the largest any r
 
 [Note: stopping the rank processes]
 Ctrl-C reaches the suite's process, and with it (a signal to the process group) every rank
-process. Rank processes end at once on SIGINT, saying nothing: the ranks still running would
-otherwise report their peers' disappearance as errors. The launching process, interrupted
-or not, terminates and joins every rank process before it returns (:func:`_stop`), so no
-rank outlives the run, whoever was sent the signal.
+process. Rank processes start with SIGINT ignored (no traceback while they import torch)
+and later end at once on it, saying nothing: ranks left running would otherwise report
+their peers' disappearance as errors. The launching process, interrupted or not,
+terminates and joins every rank process before it returns (:func:`_stop`), so no rank
+outlives the run, whoever was sent the signal.
 """
 
 from __future__ import annotations
