@@ -4,11 +4,17 @@
 is at work, then sends SIGINT to its process alone (``kill PID``) or to its whole process
 group (Ctrl-C in a terminal), and reports how it ended and whether any of its rank
 processes outlived it.
+
+A command must end within :data:`DEADLINE_S` of the signal. Part of any exit is the
+interpreter tearing torch down, which the command does not control and which, on a 2-core
+machine shared with other work, alone takes seconds: :func:`deadline_s` adds what that
+takes here, now.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import subprocess
@@ -19,6 +25,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 5.0  # a command must end this soon after Ctrl-C
+
+
+@functools.cache
+def deadline_s() -> float:
+    """:data:`DEADLINE_S`, plus how long a process that has imported torch takes to exit
+    on this machine (measured once)."""
+    code = "import sys, torch; sys.stdout.write('imported\\n'); sys.stdout.flush()"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    process.stdout.readline()
+    start = time.monotonic()
+    process.wait()
+    return DEADLINE_S + time.monotonic() - start
 
 
 @dataclasses.dataclass
