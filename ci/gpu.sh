@@ -13,8 +13,8 @@ out="${OUT:-build/ci-reports}"
 mkdir -p "$out"
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visible'"
 python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
-python -c "import numpy, pytest, pytest_timeout" 2>/dev/null ||
-    python -m pip install --quiet --disable-pip-version-check numpy pytest pytest-timeout
+python -c "import numpy, pytest, pytest_timeout, rich" 2>/dev/null ||
+    python -m pip install --quiet --disable-pip-version-check numpy pytest pytest-timeout rich
 
 status=0
 python -m pytest -p no:cacheprovider --device cuda -m "gpu or multiprocess" "$@" || status=1

@@ -8,6 +8,8 @@ Downstream projects import it as ``reffsdp.testing``::
 ``python -m reffsdp.testing`` runs the parity suite (sharded training against DDP).
 """
 
+from reffsdp.core.comms import Collective
+
 from .build import build_seeded, fsdp_modules, reference_and_model, shard_bottom_up
 from .comm_counter import CommCounter, all_gather_numel
 from .common import DistributedTestMixin
@@ -62,6 +64,7 @@ __all__ = [
     "Passthrough",
     "Tolerance",
     "TrainParity",
+    "Collective",
     "CommCounter",
     "ConvNet",
     "DistributedTestMixin",

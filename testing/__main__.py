@@ -10,9 +10,11 @@ losses, gradients, parameters and the collectives issued agree, scenario by scen
     python -m reffsdp.testing --backend nccl --world-size 1 --junit-xml parity.xml
     python -m reffsdp.testing --self-test                    # are planted bugs caught?
 
-The exit status is 0 when every scenario passed or was skipped (for ``--self-test``: when
-every planted bug was caught), 1 otherwise, 2 for bad arguments. Formatting lives in
-:mod:`reffsdp.testing.report`.
+The exit status is 0 when every scenario passed or was skipped, but not when every one was
+skipped unless ``--allow-skips`` is given (for ``--self-test``: when every planted bug was
+caught), 1 otherwise, 2 for bad arguments (an unwritable report path included), 130 when
+interrupted (Ctrl-C): the reports are then written with the scenarios that finished.
+Formatting lives in :mod:`reffsdp.testing.report`.
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, TextIO
 
+import rich.progress
 import torch
+from rich.console import Console
 
 from . import report
 
@@ -41,6 +45,7 @@ APIS = ("fully_shard", "wrapper")
 MESHES = ("1d", "hsdp", "2d", "3d")
 DEFAULT_WORLD_SIZE = 4
 DEFAULT_STEPS = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
 
 
 class EngineUnavailable(RuntimeError):
@@ -131,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"training steps per scenario (default {DEFAULT_STEPS})",
     )
     run.add_argument("--seed", type=int, default=0, metavar="N", help="seed for models and inputs")
+    run.add_argument(
+        "--allow-skips",
+        action="store_true",
+        help="exit 0 when every selected scenario was skipped (default: that is a failure)",
+    )
     out = parser.add_argument_group("outputs")
     out.add_argument("--json", metavar="FILE", help="write results and run metadata as JSON")
     out.add_argument("--junit-xml", metavar="FILE", help="write JUnit XML (for CI)")
@@ -158,9 +168,33 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             f"{args.world_size} GPUs, this machine has {torch.cuda.device_count()}; pass "
             "--world-size with at most that many (or use --backend threaded --device cuda)"
         )
-    for flag, path in (("--json", args.json), ("--junit-xml", args.junit_xml)):
-        if path is not None and os.path.isdir(path):
-            parser.error(f"{flag} {path}: is a directory; give a file name")
+    if not args.list:
+        for flag, path in (("--json", args.json), ("--junit-xml", args.junit_xml)):
+            problem = None if path is None else _unwritable(path)
+            if problem:
+                parser.error(f"{flag} {path}: {problem}; give a file name you can write")
+
+
+def _unwritable(path: str) -> str | None:
+    """Why a report cannot be written at ``path`` (``None`` when it can).
+
+    Opens the file for appending, creating missing folders (as writing the report does), so
+    a run never ends in a traceback over a path it could have refused at the start.
+    """
+    if os.path.isdir(path):
+        return "is a directory"
+    existing = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is not a directory"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "ab"):
+            pass
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
 
 
 def suite_options(engine_module: ModuleType, args: argparse.Namespace) -> Any:
@@ -192,60 +226,33 @@ def _describe_filters(args: argparse.Namespace) -> str:
 class Progress:
     """Prints a line per finished item; on a terminal, keeps a progress bar below them.
 
-    ``on_result`` may be called from any thread; a lock keeps lines whole. The bar is
-    redrawn twice a second by a daemon thread so its clock moves between results.
+    The bar is ``rich``'s, drawn only on a terminal and gone once the run ends; elsewhere
+    (a file, a pipe) only the lines are written.
     """
 
-    def __init__(self, stream: TextIO, total: int | None, start: float) -> None:
-        self.stream = stream
-        self.total = total
-        self.start = start
-        self.done = 0
-        self.show_bar = total is not None and _is_terminal(stream)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._ticker: threading.Thread | None = None
+    def __init__(self, stream: TextIO, total: int | None) -> None:
+        self.console = Console(file=stream, highlight=False, markup=False, emoji=False)
+        self.bar = rich.progress.Progress(
+            rich.progress.BarColumn(),
+            rich.progress.MofNCompleteColumn(),
+            rich.progress.TimeElapsedColumn(),
+            console=self.console,
+            transient=True,
+            disable=total is None or not _is_terminal(stream),
+        )
+        self.task = self.bar.add_task("scenarios", total=total)
 
     def __enter__(self) -> Progress:
-        if self.show_bar:
-            self._draw_bar()
-            self._ticker = threading.Thread(target=self._tick, name="progress", daemon=True)
-            self._ticker.start()
+        self.bar.start()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        self._stop.set()
-        if self._ticker is not None:
-            self._ticker.join()
-        with self._lock:
-            self._clear_bar()
-            self.stream.flush()
+        self.bar.stop()
 
     def add(self, text: str) -> None:
         """Print ``text`` (one finished item) above the bar."""
-        with self._lock:
-            self.done += 1
-            self._clear_bar()
-            self.stream.write(text + "\n")
-            self._draw_bar()
-            self.stream.flush()
-
-    def _tick(self) -> None:
-        while not self._stop.wait(0.5):
-            with self._lock:
-                self._clear_bar()
-                self._draw_bar()
-                self.stream.flush()
-
-    def _clear_bar(self) -> None:
-        if self.show_bar:
-            self.stream.write("\r\x1b[K")
-
-    def _draw_bar(self) -> None:
-        if self.show_bar:
-            assert self.total is not None
-            elapsed = time.perf_counter() - self.start
-            self.stream.write(report.progress_bar(self.done, self.total, elapsed))
+        self.console.print(text, soft_wrap=True)
+        self.bar.advance(self.task)
 
 
 def _is_terminal(stream: TextIO) -> bool:
@@ -253,6 +260,11 @@ def _is_terminal(stream: TextIO) -> bool:
         return stream.isatty() and os.environ.get("TERM") != "dumb"
     except (AttributeError, ValueError):
         return False
+
+
+def _table_width(stream: TextIO) -> int | None:
+    """The terminal's width, or ``None`` for a file or a pipe (tables stay whole there)."""
+    return shutil.get_terminal_size().columns if _is_terminal(stream) else None
 
 
 # --- running ------------------------------------------------------------------------------
@@ -299,100 +311,148 @@ def _write(path: str, data: bytes) -> None:
         file.write(data)
 
 
+class Outcome:
+    """What a run left: the results that finished, a crash's traceback, an interruption."""
+
+    def __init__(self) -> None:
+        self.results: list[Any] = []
+        self.error: str | None = None
+        self.interrupted = False
+
+
 def _run_collecting(
     run: Callable[..., Any], options: Any, progress: Progress, line: Callable[[int, Any], str]
-) -> tuple[list[Any], str | None]:
-    """Run the engine, printing each result as it arrives; return results and any crash.
+) -> Outcome:
+    """Run the engine, printing each result as it arrives.
 
-    Results are collected from ``on_result``, so that a crash part-way still leaves the
-    finished scenarios for the table and the report files.
+    Results are collected from ``on_result``, so that a crash or a Ctrl-C part-way still
+    leaves the finished scenarios for the table and the report files.
     """
-    results: list[Any] = []
+    outcome = Outcome()
 
     def on_result(result: Any) -> None:
-        results.append(result)
-        progress.add(line(len(results), result))
+        outcome.results.append(result)
+        progress.add(line(len(outcome.results), result))
 
     try:
         with progress:
             returned = run(options, on_result=on_result)
-            seen = {id(result) for result in results}
+            seen = {id(result) for result in outcome.results}
             for result in returned or ():  # any the engine did not report as it went
                 if id(result) not in seen:
                     on_result(result)
+    except KeyboardInterrupt:
+        outcome.interrupted = True
     except Exception:  # noqa: BLE001 - reported with the partial results, then exit 1
-        return results, traceback.format_exc()
-    return results, None
+        outcome.error = traceback.format_exc()
+    return outcome
 
 
 def _finish(
     args: argparse.Namespace,
     started: datetime.datetime,
     start: float,
-    results: list[Any],
-    error: str | None,
+    outcome: Outcome,
     *,
     self_test: bool,
 ) -> None:
     """Write the requested report files."""
     info = run_info(args, started, time.perf_counter() - start)
+    results, error = outcome.results, outcome.error
     if args.json:
         to_json = report.self_test_json if self_test else report.suite_json
-        text = json.dumps(to_json(info, results, error), indent=2) + "\n"
-        _write(args.json, text.encode())
+        document = to_json(info, results, error, interrupted=outcome.interrupted)
+        _write(args.json, (json.dumps(document, indent=2) + "\n").encode())
     if args.junit_xml:
         to_junit = report.self_test_junit if self_test else report.suite_junit
         _write(args.junit_xml, report.junit_bytes(to_junit(info, results, error)))
+
+
+def _count(number: int, noun: str) -> str:
+    """``1 scenario``, ``2 scenarios``."""
+    return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
 def run_suite(engine_module: ModuleType, args: argparse.Namespace, options: Any, total: int) -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     start = time.perf_counter()
     print(
-        f"reffsdp parity suite: {total} scenarios, {args.backend} backend on {args.device}, "
-        f"world size {args.world_size}, {args.steps} steps, seed {args.seed}",
+        f"reffsdp parity suite: {_count(total, 'scenario')}, {args.backend} backend on "
+        f"{args.device}, world size {args.world_size}, {_count(args.steps, 'step')}, "
+        f"seed {args.seed}",
         flush=True,
     )
-    progress = Progress(sys.stdout, total, start)
+    progress = Progress(sys.stdout, total)
     line = lambda index, result: report.progress_line(index, total, result)
-    results, error = _run_collecting(engine_module.run_suite, options, progress, line)
+    outcome = _run_collecting(engine_module.run_suite, options, progress, line)
+    results = outcome.results
     seconds = time.perf_counter() - start
     if results:
         print()
-        print(report.format_table(results))
+        print(report.format_table(results, _table_width(sys.stdout)))
     for section in (report.format_skips(results), report.format_failures(results)):
         if section:
             print()
             print(section)
-    if error is not None:
-        print(f"\nthe parity suite stopped with an error:\n{error}", file=sys.stderr)
+    if outcome.error is not None:
+        print(f"\nthe parity suite stopped with an error:\n{outcome.error}", file=sys.stderr)
     print()
     print(report.summary_line(results, seconds), flush=True)
-    _finish(args, started, start, results, error, self_test=False)
-    failed = report.summarize(results)["failed"]
-    return 1 if failed or error is not None else 0
+    _finish(args, started, start, outcome, self_test=False)
+    counts = report.summarize(results)
+    if outcome.interrupted:
+        print(f"interrupted after {_count(len(results), 'scenario')} of {total}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if counts["failed"] or outcome.error is not None:
+        return 1
+    if counts["skipped"] == counts["total"] and not args.allow_skips:
+        print(
+            "every scenario was skipped, so nothing was checked; pass --allow-skips to "
+            "accept that (exit status 0)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def run_self_test(engine_module: ModuleType, args: argparse.Namespace, options: Any) -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     start = time.perf_counter()
     print("reffsdp parity suite self-test: planting known bugs, one at a time", flush=True)
-    progress = Progress(sys.stdout, None, start)
-    results, error = _run_collecting(
-        engine_module.run_self_test, options, progress, report.self_test_line
-    )
-    if error is not None:
-        print(f"\nthe self-test stopped with an error:\n{error}", file=sys.stderr)
+    progress = Progress(sys.stdout, None)
+    outcome = _run_collecting(engine_module.run_self_test, options, progress, report.self_test_line)
+    results = outcome.results
+    if outcome.error is not None:
+        print(f"\nthe self-test stopped with an error:\n{outcome.error}", file=sys.stderr)
     print()
     print(report.self_test_summary(results, time.perf_counter() - start), flush=True)
-    if not results and error is None:
+    _finish(args, started, start, outcome, self_test=True)
+    if outcome.interrupted:
+        print(f"interrupted after {_count(len(results), 'planted bug')}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if not results and outcome.error is None:
         print("no planted bug ran: the filters left none", file=sys.stderr)
-    _finish(args, started, start, results, error, self_test=True)
     all_caught = bool(results) and all(result.caught for result in results)
-    return 0 if all_caught and error is None else 1
+    return 0 if all_caught and outcome.error is None else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; its exit status. Ctrl-C ends it with 130 and no traceback; a
+    reader that stops reading (``| head``) ends it quietly."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # Nobody reads stdout any more: send what is left in its buffer nowhere, so that
+        # flushing it at exit does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
@@ -418,7 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         for scenario in scenarios:
             print(scenario.name)
-        print(f"{len(scenarios)} scenarios", file=sys.stderr)
+        sys.stdout.flush()
+        print(_count(len(scenarios), "scenario"), file=sys.stderr)
         return 0
     return run_suite(engine_module, args, options, len(scenarios))
 

@@ -50,6 +50,15 @@ happens while the interpreter is shutting down, taking the GIL ends the thread i
 destructor, and the process aborts (``terminate called without an active exception``, exit
 status 134) although every rank passed. So before :func:`run_threaded` returns it waits
 until each ended rank thread is gone from the OS as well, and nothing of a run outlives it.
+
+[Note: an interrupted run]
+Ctrl-C raises ``KeyboardInterrupt`` in the main thread, usually while :func:`run_threaded`
+starts or waits for the ranks. Leaving then would leave the rank threads running into
+interpreter shutdown, which aborts the process (``terminate called without an active
+exception``). So an interrupted run stops the ranks it started as a run past its deadline
+does (see [Note: stopping a
+rank thread]), waits until they are gone from the OS (see [Note: a rank thread ends
+twice]), and only then lets the ``KeyboardInterrupt`` go on, without a report of the ranks.
 """
 
 from __future__ import annotations
@@ -117,6 +126,7 @@ def run_threaded(fn: Callable[[int], None], world_size: int, *, timeout_s: float
     ``CollectiveAborted`` instead of waiting for it. c10d's global state is restored before
     this returns.
     """
+    __tracebackhide__ = True  # pytest shows the ranks' frames, not the harness's
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     register_threaded_backend()
@@ -133,6 +143,7 @@ def run_threaded(fn: Callable[[int], None], world_size: int, *, timeout_s: float
     def rank_main(rank: int) -> None:
         # Abort before destroying the group: peers must see a failure as an abort (a
         # consequence), not as this rank leaving the group early (a bug of its own).
+        __tracebackhide__ = True  # pytest leaves this frame out of a rank's traceback
         prepare_rank_thread()
         _rank_thread.stop = stop
         world = dist.distributed_c10d._world  # this run's (see threaded_world)
@@ -166,15 +177,23 @@ def run_threaded(fn: Callable[[int], None], world_size: int, *, timeout_s: float
             threading.Thread(target=rank_main, args=(rank,), name=f"rank{rank}", daemon=True)
             for rank in range(world_size)
         ]
-        for thread in threads:
-            thread.start()
-        stuck = _join_until(threads, time.monotonic() + timeout_s)
-        stacks = {rank: _stack_of(threads[rank]) for rank in stuck}
-        if stuck:
-            job.abort(f"the run timed out after {timeout_s:g}s")
+        try:
+            for thread in threads:
+                thread.start()
+            stuck = _join_until(threads, time.monotonic() + timeout_s)
+            stacks = {rank: _stack_of(threads[rank]) for rank in stuck}
+            if stuck:
+                job.abort(f"the run timed out after {timeout_s:g}s")
+                stop.set()
+                unstoppable = _end_late_ranks(threads, in_test)
+            _wait_until_gone_from_the_os(threads, time.monotonic() + _STOP_S)
+        except KeyboardInterrupt:  # see [Note: an interrupted run]
+            job.abort("the run was interrupted")
             stop.set()
-            unstoppable = _end_late_ranks(threads, in_test)
-        _wait_until_gone_from_the_os(threads, time.monotonic() + _STOP_S)
+            started = [thread for thread in threads if thread.ident is not None]  # index = rank
+            _end_late_ranks(started, in_test)
+            _wait_until_gone_from_the_os(started, time.monotonic() + _STOP_S)
+            raise
     _raise_for_outcomes(outcomes, stacks, timeout_s, unstoppable)
 
 
@@ -261,6 +280,7 @@ def _raise_for_outcomes(
     listed; ``RankStopped`` is how a late rank was ended, and its stack at the deadline
     tells more. Skips count when nothing else went wrong.
     """
+    __tracebackhide__ = True
     ranks = sorted(outcomes)
     aborted = [r for r in ranks if isinstance(outcomes[r].error, CollectiveAborted)]
     skipped = [r for r in ranks if isinstance(outcomes[r].error, unittest.SkipTest)]

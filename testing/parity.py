@@ -291,7 +291,10 @@ class ParityDiffs:
         """The maximum of every field over the ranks (every rank must call this together)."""
         names = [f.name for f in dataclasses.fields(self)]
         values = [getattr(self, name) for name in names]
-        tensor = torch.tensor([-1.0 if v is None else v for v in values], device=_flag_device())
+        # float64: a tolerance of 1e-05 stays 1e-05, not float32's 9.999999747378752e-06.
+        tensor = torch.tensor(
+            [-1.0 if v is None else v for v in values], dtype=torch.float64, device=_flag_device()
+        )
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return ParityDiffs(*[None if v < 0 else v for v in tensor.tolist()])
 

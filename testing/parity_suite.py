@@ -23,6 +23,22 @@ A ``CommCounter`` would also count DDP's all-reduces, the parity check's own ver
 all-reduces and DTensor's tensor-parallel collectives, none of which FSDP issued. The
 engine observes reffsdp's single collective seam (:mod:`reffsdp.core.comms`) instead, for
 the length of training only (state-dict saving and loading are not a training step).
+
+[Note: a failure on another rank]
+``check_train_parity`` fails on every rank together (see [Note: ranks agree on the
+verdict] in :mod:`reffsdp.testing.parity`), but only the ranks that saw a mismatch say what
+it was: the others' message is one line naming the failing ranks, and each rank's
+differences are its own. A result is read on rank 0, so after a failed check every rank
+all-gathers its message and differences (:func:`_gather_failures`): the result's message
+holds every failing rank's mismatches, and its differences are the largest any rank saw.
+
+[Note: stopping the rank processes]
+Ctrl-C reaches the suite's process, and with it (a signal to the process group) every rank
+process. Rank processes start with SIGINT ignored (no traceback while they import torch)
+and later end at once on it, saying nothing: ranks left running would otherwise report
+their peers' disappearance as errors. The launching process, interrupted or not,
+terminates and joins every rank process before it returns (:func:`_stop`), so no rank
+outlives the run, whoever was sent the signal.
 """
 
 from __future__ import annotations
@@ -32,7 +48,9 @@ import dataclasses
 import logging
 import os
 import queue
+import signal
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -135,6 +153,7 @@ class ScenarioResult:
     min_bytes_per_step: int | None = None  # the analytic minimum
     losses: list[float] = dataclasses.field(default_factory=list)  # rank 0's, per step
     seconds: float = 0.0
+    traceback: str = ""  # of the exception that failed the scenario ("" when none did)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -188,22 +207,46 @@ def _identity(info: ScenarioInfo) -> dict[str, Any]:
     }
 
 
-def describe_parity_failure(error: AssertionError) -> str:
-    """``"<check>: <where>: <first problem>"`` for a failed ``check_train_parity``.
+def describe_parity_failure(messages: Sequence[str]) -> str:
+    """What a failed ``check_train_parity`` found, from every rank's message.
 
-    The check is ``losses``, ``gradients`` (after backward) or ``parameters``.
+    The first line is ``"<check>: <where>: <first problem>"``; the check is ``losses``,
+    ``gradients`` (after backward) or ``parameters``. Then each failing rank's whole message
+    (see [Note: a failure on another rank])::
+
+        >>> matched = "step 1 losses: parity check failed on rank(s) [1]; rank 0 matched"
+        >>> failed = "step 1 losses: parity check failed on rank 1:\\n  loss 2.5 vs 2"
+        >>> print(describe_parity_failure([matched, failed]))
+        losses: step 1 losses: loss 2.5 vs 2
+        step 1 losses: parity check failed on rank 1:
+          loss 2.5 vs 2
     """
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    head = lines[0] if lines else "parity check failed"
-    stage = head.split(": parity check failed")[0]
+    texts = [message.strip() for message in messages if message.strip()]
+    detailed = [text for text in texts if "\n" in text] or texts[:1] or ["parity check failed"]
+    lines = [line.strip() for line in detailed[0].splitlines() if line.strip()]
+    stage = lines[0].split(": parity check failed")[0]
     if "losses" in stage:
         check = "losses"
     elif "after backward" in stage:
         check = "gradients"
     else:
         check = "parameters"
-    detail = lines[1] if len(lines) > 1 else head
-    return f"{check}: {stage}: {detail}"
+    first_problem = lines[1] if len(lines) > 1 else lines[0]
+    return "\n".join([f"{check}: {stage}: {first_problem}", *detailed])
+
+
+def _gather_failures(
+    error: AssertionError, diffs: ParityDiffs | None
+) -> tuple[list[str], ParityDiffs | None]:
+    """Every rank's failure message, and the largest differences of any rank (every rank
+    calls this together; see [Note: a failure on another rank])."""
+    own = (str(error), None if diffs is None else dataclasses.asdict(diffs))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, own)
+    merged: ParityDiffs | None = None
+    for _, fields in gathered:
+        merged = _merge(merged, None if fields is None else ParityDiffs(**fields))
+    return [message for message, _ in gathered], merged
 
 
 def _merge(a: ParityDiffs | None, b: ParityDiffs | None) -> ParityDiffs | None:
@@ -287,8 +330,9 @@ def run_scenario(
         if not hasattr(error, "parity"):  # not the checker's (agreed) verdict: a crash
             raise
         result.status = "failed"
-        result.message = describe_parity_failure(error)
-        diffs = _merge(diffs, getattr(error, "parity", None))
+        result.traceback = traceback.format_exc()
+        messages, diffs = _gather_failures(error, _merge(diffs, error.parity))
+        result.message = describe_parity_failure(messages)
     if diffs is not None:
         result.max_loss_diff = diffs.max_loss_diff
         result.max_grad_diff = diffs.max_grad_diff
@@ -344,7 +388,9 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _crashed(spec: ScenarioSpec, options: SuiteOptions, message: str, seconds: float):
+def _crashed(
+    spec: ScenarioSpec, options: SuiteOptions, message: str, seconds: float, trace: str = ""
+) -> ScenarioResult:
     info = _info(spec, options)
     return ScenarioResult(
         **_identity(info),
@@ -352,6 +398,7 @@ def _crashed(spec: ScenarioSpec, options: SuiteOptions, message: str, seconds: f
         message=message,
         steps=options.steps,
         seconds=seconds,
+        traceback=trace,
     )
 
 
@@ -374,19 +421,49 @@ def _run_threaded_one(
         with _quiet(), bug() if bug is not None else nullcontext():
             run_threaded(rank_main, world_size, timeout_s=_SCENARIO_TIMEOUT_S)
     except RankFailure as failure:
-        message = "error: " + _short_error(failure)
-        return _crashed(spec, options, message, time.perf_counter() - start)
+        message = "error: " + _rank_error(failure)
+        return _crashed(spec, options, message, time.perf_counter() - start, str(failure))
     return found[0]
 
 
-def _short_error(error: BaseException) -> str:
-    """The innermost exception line of a (rank) failure, e.g. ``RuntimeError: ...``."""
-    text = str(error)
-    lines = [line for line in text.splitlines() if line and not line.startswith(" ")]
-    for line in reversed(lines):
-        if "Error" in line or "Exception" in line:
-            return line.strip()[:500]
-    return (lines[-1] if lines else text)[:500]
+def _rank_error(failure: Any) -> str:
+    """The whole exception (type and every line of its message) of the lowest rank that
+    failed on its own, not as a consequence of another rank's failure."""
+    from .multithread import RankStopped
+    from .threaded_pg import CollectiveAborted
+
+    for rank in sorted(failure.failures):
+        error = failure.failures[rank]
+        if not isinstance(error, (CollectiveAborted, RankStopped)):
+            return _exception_text(error)
+    return _last_exception(str(failure))
+
+
+def _exception_text(error: BaseException) -> str:
+    """``"RuntimeError: <the whole message>"``, as a traceback ends."""
+    return "".join(traceback.format_exception_only(type(error), error)).strip()
+
+
+def _last_exception(text: str) -> str:
+    """The exception that ends a formatted traceback, every line of its message (or
+    ``text`` itself when it holds no traceback)::
+
+        >>> print(_last_exception('''Traceback (most recent call last):
+        ...   File "x.py", line 1, in <module>
+        ...     load()
+        ... RuntimeError: Error(s) in loading state_dict:
+        ... Missing key(s): "w".'''))
+        RuntimeError: Error(s) in loading state_dict:
+        Missing key(s): "w".
+    """
+    lines = text.strip().splitlines()
+    frames = [index for index, line in enumerate(lines) if line.startswith('  File "')]
+    if not frames:
+        return text.strip()
+    rest = lines[frames[-1] + 1 :]
+    while rest and rest[0].startswith("    "):  # the frame's source line and its markers
+        rest.pop(0)
+    return "\n".join(rest).strip() or text.strip()
 
 
 def _iter_threaded(
@@ -412,6 +489,7 @@ def _process_main(
     results: Any,
     bug_name: str | None,
 ) -> None:
+    _end_quietly_on_sigint()
     backend = options.backend
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -451,10 +529,10 @@ def _process_main(
                     result = _crashed(
                         spec,
                         options,
-                        f"error: {type(error).__name__}: {error}"[:500],
+                        f"error: {_exception_text(error)}",
                         time.perf_counter() - start,
+                        traceback.format_exc(),
                     )
-                    traceback.print_exc()
                     broken = f"not run: scenario {name} left the ranks out of step"
             if rank == 0:
                 results.put(result.to_dict())
@@ -486,37 +564,85 @@ def _iter_processes(
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         names = [spec.name for spec in runnable]
-        processes = mp.start_processes(
-            _process_main,
-            args=(world_size, options, store_path, names, results, bug_name),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        seen = 0
-        done = False
-        while not done:
-            try:
-                item = results.get(timeout=1.0)
-            except queue.Empty:
-                if processes.join(timeout=0):  # every process ended
-                    break
-                continue
-            if item is None:
-                done = True
-            else:
-                seen += 1
-                yield ScenarioResult(**item)
+        with _sigint_ignored():  # by the rank processes as they start
+            processes = mp.start_processes(
+                _process_main,
+                args=(world_size, options, store_path, names, results, bug_name),
+                nprocs=world_size,
+                join=False,
+                start_method="spawn",
+            )
         try:
-            while not processes.join(timeout=30):
-                pass
-        except Exception as error:  # noqa: BLE001 - a rank died: report what never ran
-            message = f"error: a rank process failed: {_short_error(error)}"
-            for spec in runnable[seen:]:
-                yield _crashed(spec, options, message, 0.0)
-            return
+            yield from _collect(processes, results, runnable, options)
+        finally:
+            _stop(processes.processes)
+
+
+def _collect(
+    processes: Any, results: Any, runnable: Sequence[ScenarioSpec], options: SuiteOptions
+) -> Iterator[ScenarioResult]:
+    """Yield rank 0's results as they arrive, then a failed one for each scenario that never
+    ran because the rank processes ended early."""
+    seen = 0
+    while True:
+        try:
+            item = results.get(timeout=1.0)
+        except queue.Empty:
+            if processes.join(timeout=0):  # every process ended
+                break
+            continue
+        if item is None:
+            break
+        seen += 1
+        yield ScenarioResult(**item)
+    try:
+        while not processes.join(timeout=30):
+            pass
+    except Exception as error:  # noqa: BLE001 - a rank died: report what never ran
+        message = f"error: a rank process failed: {_last_exception(str(error))}"
         for spec in runnable[seen:]:
-            yield _crashed(spec, options, "error: the rank processes ended early", 0.0)
+            yield _crashed(spec, options, message, 0.0, str(error))
+        return
+    for spec in runnable[seen:]:
+        yield _crashed(spec, options, "error: the rank processes ended early", 0.0)
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ignore SIGINT in the block (in the main thread; elsewhere signals never arrive).
+
+    A process started meanwhile keeps SIGINT ignored until it sets a handler of its own,
+    so a Ctrl-C while it imports torch prints no traceback.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _end_quietly_on_sigint() -> None:
+    """In a rank process: end at once, silently, on SIGINT (see [Note: stopping the rank
+    processes])."""
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
+
+
+def _stop(processes: Sequence[Any], grace_s: float = 2.0) -> None:
+    """Terminate the rank processes still running and wait until every one has ended;
+    those that outlast ``grace_s`` after SIGTERM are killed (see [Note: stopping the rank
+    processes])."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def iter_results(

@@ -13,8 +13,9 @@ rank over the in-memory threaded process group) and
   rank of a fresh threaded world and returns the ranks' return values, in rank order. The
   world size comes from ``@pytest.mark.world_size(N)`` (default 2) or the call's
   ``world_size=``. When ranks raise, the lowest failing rank's exception is raised in the
-  test (so ``pytest.raises`` and assertion messages work as usual), chained to a
-  :class:`~reffsdp.testing.multithread.RankFailure` that holds every rank's traceback.
+  test (so ``pytest.raises`` and assertion messages work as usual), with the test's and that
+  rank's frames only (the harness's are hidden) and a note naming the other failing ranks,
+  one line each.
 * ``comm_counter``: ``with comm_counter.count(): ...`` on a rank counts the collectives that
   rank issues in the block; afterwards ``comm_counter[rank]`` is that rank's
   :class:`CommCounter` and ``comm_counter.counts(kind)`` maps each rank to its count.
@@ -22,15 +23,15 @@ rank over the in-memory threaded process group) and
 ::
 
     import pytest, torch, torch.distributed as dist
-    from reffsdp.core.comms import Collective
+    from reffsdp.testing import Collective
 
     @pytest.mark.world_size(4)
     def test_all_gather(thread_world, comm_counter):
         def on_rank(rank):
-            out = torch.empty(4)
+            gathered = [torch.empty(1) for _ in range(4)]
             with comm_counter.count():
-                dist.all_gather_into_tensor(out, torch.tensor([float(rank)]))
-            return out.tolist()
+                dist.all_gather(gathered, torch.tensor([float(rank)]))
+            return torch.cat(gathered).tolist()
 
         assert thread_world(on_rank) == [[0.0, 1.0, 2.0, 3.0]] * 4
         assert comm_counter.counts(Collective.ALL_GATHER) == {0: 1, 1: 1, 2: 1, 3: 1}
@@ -75,10 +76,12 @@ class ThreadWorld:
         timeout_s: float | None = None,
     ) -> list[Any]:
         """``[fn(0), fn(1), ...]``, each called on its own rank thread."""
+        __tracebackhide__ = True  # pytest shows the test's frames and the rank's
         size = self.world_size if world_size is None else world_size
         results: dict[int, Any] = {}
 
         def on_rank(rank: int) -> None:
+            __tracebackhide__ = True
             results[rank] = fn(rank)
 
         try:
@@ -88,9 +91,7 @@ class ThreadWorld:
             if cause is None:  # ranks timed out or were aborted without a cause
                 raise
             if hasattr(cause, "add_note"):  # Python 3.11+
-                cause.add_note(f"(raised on rank {rank} of {size})")
-            if _own_failures(failure) > 1:  # the others' tracebacks are in the chained one
-                raise cause from failure
+                cause.add_note(_where(rank, size, failure))
             raise cause from None
         return [results[rank] for rank in range(size)]
 
@@ -104,9 +105,15 @@ def _first_cause(failure: RankFailure) -> tuple[int, BaseException | None]:
     return -1, None
 
 
-def _own_failures(failure: RankFailure) -> int:
-    consequences = (CollectiveAborted, RankStopped)
-    return sum(not isinstance(error, consequences) for error in failure.failures.values())
+def _where(rank: int, size: int, failure: RankFailure) -> str:
+    """``(raised on rank 0 of 4)``, then one line per other rank that failed on its own."""
+    lines = [f"(raised on rank {rank} of {size})"]
+    for other in sorted(failure.failures):
+        error = failure.failures[other]
+        if other != rank and not isinstance(error, (CollectiveAborted, RankStopped)):
+            message = next(iter(str(error).splitlines()), "")
+            lines.append(f"(rank {other} raised too: {type(error).__name__}: {message})")
+    return "\n".join(lines)
 
 
 class RankCommCounters:

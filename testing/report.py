@@ -5,8 +5,9 @@ and ``SelfTestResult``, read by attribute) plus a :class:`RunInfo`, and returns 
 JSON-ready dict or an XML tree; ``python -m reffsdp.testing`` (``testing/__main__.py``) does
 the printing and the file writing. Three outputs:
 
-* the terminal: a progress line per scenario as it finishes, then a table, a summary line
-  and the failures with their messages;
+* the terminal: a progress line per scenario as it finishes, then a table (drawn by
+  ``rich``, as wide as the terminal allows), a summary line and the failures with their
+  whole messages and tracebacks;
 * ``--json FILE``: run metadata, a summary and every result's ``to_dict()``;
 * ``--junit-xml FILE``: JUnit XML (one ``testcase`` per scenario, ``failure`` and
   ``skipped`` elements), the format GitLab, GitHub actions and Jenkins read.
@@ -23,11 +24,18 @@ with a ``!`` where they differ::
 from __future__ import annotations
 
 import dataclasses
+import io
+import json
 import math
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 
@@ -85,21 +93,6 @@ def progress_line(index: int, total: int, result: Any) -> str:
     return line
 
 
-def progress_bar(done: int, total: int, seconds: float, width: int = 30) -> str:
-    """A one-line bar for terminals::
-
-    >>> progress_bar(3, 12, 4.25, width=12)
-    '[===>........] 3/12  25%  4.2 s'
-    """
-    fraction = done / total if total else 1.0
-    filled = int(fraction * width)
-    bar = "=" * filled
-    if filled < width:
-        bar += ">" if filled else "."
-        bar += "." * (width - filled - 1)
-    return f"[{bar}] {done}/{total} {fraction:4.0%}  {seconds:.1f} s"
-
-
 def format_number(value: float) -> str:
     """A count per step: whole numbers as integers, others with up to 3 digits."""
     return f"{value:.3g}"
@@ -144,15 +137,25 @@ _HEADERS = (
     "scenario",
     "status",
     "steps",
-    "max|Δloss|",
-    "max|Δgrad|",
-    "max|Δparam|",
+    "Δloss",
+    "Δgrad",
+    "Δparam",
     "atol/rtol",
     *(header for header, _ in COUNT_COLUMNS),
     "bytes/rank/step (min)",
     "s",
 )
 _LEFT_ALIGNED = {"scenario", "status"}
+# What a narrow terminal leaves out, first to last; the rest always show (the scenario name
+# wraps when even they do not fit).
+_DROPPED_FIRST = ("bytes/rank/step (min)", "steps", "atol/rtol", "s")
+_LEGEND = {
+    "Δloss": "Δloss/Δgrad/Δparam: the largest |difference| from DDP",
+    "AG": "AG/RS/AR: all-gathers, reduce-scatters, all-reduces per step, measured/expected "
+    "(! = differs)",
+    "bytes/rank/step (min)": "bytes sent per rank per step (analytic minimum)",
+}
+_MIN_NAME_WIDTH = 20  # the scenario column breaks names, but is never narrower than this
 
 
 def table_row(result: Any) -> list[str]:
@@ -181,25 +184,91 @@ def table_row(result: Any) -> list[str]:
     ]
 
 
-def format_table(results: Sequence[Any]) -> str:
-    """Every scenario's numbers, aligned, with a legend for the count columns."""
-    rows = [list(_HEADERS), *(table_row(result) for result in results)]
-    widths = [max(len(row[column]) for row in rows) for column in range(len(_HEADERS))]
+def format_table(results: Sequence[Any], width: int | None = None) -> str:
+    """Every scenario's numbers, aligned, with a legend for the columns.
 
-    def line(cells: list[str]) -> str:
-        padded = [
-            cell.ljust(width) if header in _LEFT_ALIGNED else cell.rjust(width)
-            for header, cell, width in zip(_HEADERS, cells, widths)
-        ]
-        return "  ".join(padded).rstrip()
+    ``width`` is the terminal's: columns are left out (bytes first, then steps, tolerances
+    and seconds, as the legend then says) until the table fits, and scenario names break at
+    a ``/`` if it still does not. Without ``width`` (a file or a pipe) every column is
+    shown, each row on one line.
+    """
+    rows = [table_row(result) for result in results]
+    shown = list(_HEADERS)
+    for header in _DROPPED_FIRST:
+        if width is None or _natural_width(_table(rows, shown)) <= width:
+            break
+        shown.remove(header)
+    table = _table(rows, shown)
+    natural = _natural_width(table)
+    if width is not None and natural > width:
+        longest = max(len(row[0]) for row in [list(_HEADERS), *rows])
+        room = max(_MIN_NAME_WIDTH, width - (natural - longest))
+        table = _table([[_break_name(row[0], room), *row[1:]] for row in rows], shown)
+        natural = _natural_width(table)  # wider than ``width`` only where nothing fits
+    legend = [text for header, text in _LEGEND.items() if header in shown]
+    left_out = [header for header in _HEADERS if header not in shown]
+    if left_out:
+        legend.append(f"not shown at this width: {', '.join(left_out)} (see --json)")
+    return _render([table, Text("; ".join(legend))], max(width or 0, natural))
 
-    lines = [line(rows[0]), "  ".join("-" * width for width in widths)]
-    lines += [line(row) for row in rows[1:]]
-    lines.append(
-        "AG/RS/AR: all-gathers, reduce-scatters, all-reduces per step, measured/expected "
-        "(! = differs); bytes sent per rank per step (analytic minimum)"
-    )
+
+def _break_name(name: str, width: int) -> str:
+    """``name`` on lines of at most ``width`` characters, broken after a ``/``::
+
+    >>> print(_break_name("fully_shard/hsdp/sd-full/transformer", 20))
+    fully_shard/hsdp/
+    sd-full/transformer
+    """
+    lines = [""]
+    for part in re.findall(r"[^/]+/?", name):
+        if lines[-1] and len(lines[-1]) + len(part) > width:
+            lines.append("")
+        lines[-1] += part
     return "\n".join(lines)
+
+
+def _table(rows: list[list[str]], shown: list[str]) -> Table:
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    for header in shown:
+        table.add_column(
+            header,
+            justify="left" if header in _LEFT_ALIGNED else "right",
+            no_wrap=True,
+            overflow="fold",
+        )
+    columns = [_HEADERS.index(header) for header in shown]
+    for row in rows:
+        table.add_row(*(row[column] for column in columns))
+    return table
+
+
+def _console(width: int, file: io.StringIO | None = None) -> Console:
+    return Console(
+        file=file or io.StringIO(),
+        width=width,
+        color_system=None,
+        force_terminal=False,
+        highlight=False,
+        emoji=False,
+        markup=False,
+    )
+
+
+def _natural_width(table: Table) -> int:
+    return _console(1 << 16).measure(table).maximum
+
+
+def _render(renderables: list[Any], width: int) -> str:
+    text = io.StringIO()
+    console = _console(width, text)
+    for renderable in renderables:
+        console.print(renderable)
+    return "\n".join(line.rstrip() for line in text.getvalue().splitlines())
 
 
 def summarize(results: Sequence[Any]) -> dict[str, int]:
@@ -224,14 +293,25 @@ def summary_line(results: Sequence[Any], seconds: float) -> str:
 
 
 def format_failures(results: Sequence[Any]) -> str:
-    """Each failed scenario with its whole message, indented; ``""`` when none failed."""
+    """Each failed scenario with its whole message and any traceback, indented; ``""`` when
+    none failed."""
     sections = []
     for result in results:
         if is_failure(result.status):
-            message = result.message.strip() or "(no message)"
-            body = "\n".join("    " + line for line in message.splitlines())
-            sections.append(f"FAILED {result.name}\n{body}")
+            body = failure_text(result)
+            sections.append(f"FAILED {result.name}\n" + _indent(body))
     return "\n".join(sections)
+
+
+def failure_text(result: Any) -> str:
+    """A failed scenario's whole message, then its traceback when it has one."""
+    message = result.message.strip() or "(no message)"
+    trace = getattr(result, "traceback", "").strip()
+    return f"{message}\n\n{trace}" if trace else message
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line if line else "" for line in text.splitlines())
 
 
 def format_skips(results: Sequence[Any]) -> str:
@@ -249,7 +329,7 @@ def format_skips(results: Sequence[Any]) -> str:
 def self_test_line(index: int, result: Any) -> str:
     """One planted bug: ``[3] CAUGHT fully_shard: wrong divide factor by gradients: ...``."""
     if result.caught:
-        verdict = f"CAUGHT {result.api}: {result.bug}  by {result.caught_by}"
+        verdict = f"CAUGHT {result.api}: {result.bug}  by {first_line(result.caught_by, 200)}"
     else:
         verdict = f"MISSED {result.api}: {result.bug}  (no check failed)"
     return f"[{index}] {verdict}  {result.seconds:.1f} s"
@@ -290,10 +370,14 @@ def _run_fields(info: RunInfo) -> dict[str, Any]:
     return dataclasses.asdict(info)
 
 
-def suite_json(info: RunInfo, results: Sequence[Any], error: str | None = None) -> dict:
-    """The ``--json`` document of a suite run; ``error`` is set when the engine crashed."""
+def suite_json(
+    info: RunInfo, results: Sequence[Any], error: str | None = None, interrupted: bool = False
+) -> dict:
+    """The ``--json`` document of a suite run; ``error`` is set when the engine crashed,
+    ``interrupted`` when the run was stopped (Ctrl-C) before every scenario ran."""
     document = {
         **_run_fields(info),
+        "interrupted": interrupted,
         "summary": summarize(results),
         "scenarios": [result.to_dict() for result in results],
     }
@@ -302,10 +386,13 @@ def suite_json(info: RunInfo, results: Sequence[Any], error: str | None = None) 
     return _json_safe(document)
 
 
-def self_test_json(info: RunInfo, results: Sequence[Any], error: str | None = None) -> dict:
+def self_test_json(
+    info: RunInfo, results: Sequence[Any], error: str | None = None, interrupted: bool = False
+) -> dict:
     """The ``--json`` document of ``--self-test``: ``summary`` counts caught and missed bugs."""
     document = {
         **_run_fields(info),
+        "interrupted": interrupted,
         "summary": summarize_self_test(results),
         "scenarios": [],
         "self_test": [result.to_dict() for result in results],
@@ -345,7 +432,8 @@ def _testsuite(name: str, info: RunInfo, cases: list[ET.Element], error: str | N
     properties = ET.SubElement(suite, "properties")
     for key, value in _run_fields(info).items():
         if key not in ("started", "seconds"):
-            ET.SubElement(properties, "property", name=key, value=_xml_text(str(value)))
+            text = value if isinstance(value, str) else json.dumps(value)
+            ET.SubElement(properties, "property", name=key, value=_xml_text(text))
     suite.extend(cases)
     root = ET.Element(
         "testsuites",
@@ -383,7 +471,7 @@ def suite_junit(info: RunInfo, results: Sequence[Any], error: str | None = None)
             failure = ET.SubElement(
                 case, "failure", message=first_line(message, 200), type="ParityFailure"
             )
-            failure.text = message
+            failure.text = _xml_text(failure_text(result))
         ET.SubElement(case, "system-out").text = _xml_text(_metrics(result))
         cases.append(case)
     return _testsuite("reffsdp-parity", info, cases, error)

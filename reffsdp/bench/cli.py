@@ -1,4 +1,9 @@
-"""The ``python -m reffsdp.bench`` command line."""
+"""The ``python -m reffsdp.bench`` command line.
+
+It prints a line per implementation as it is built and per implementation and round as it
+finishes, then the table. Ctrl-C ends it with exit status 130, no traceback and no rank
+process left, after writing ``--json`` with what finished (``"interrupted": true``).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 from typing import Any
 
 import torch
@@ -21,38 +27,62 @@ DESCRIPTION = """\
 Train one model with reffsdp's and torch's fully_shard and FullyShardedDataParallel, DDP
 and a no-communication local baseline, in the same rank processes and interleaved rounds;
 print step time, memory per rank and bytes sent per rank for each."""
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m reffsdp.bench", description=DESCRIPTION)
-    p.add_argument("--model", choices=("transformer", "mlp"), default="transformer")
-    p.add_argument("--size", choices=SIZES, default="27m", help="named model size")
-    p.add_argument("--world-size", type=int, default=None, help="ranks (default: 2; nccl: GPUs)")
+    p.add_argument(
+        "--model",
+        choices=("transformer", "mlp"),
+        default="transformer",
+        help="model family (default: %(default)s)",
+    )
+    p.add_argument("--size", choices=SIZES, default="27m", help="named size (default: %(default)s)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks (default: 2; with nccl, every visible GPU)",
+    )
     p.add_argument(
         "--backend",
         choices=("gloo", "nccl", "threaded"),
         default=None,
-        help="default: nccl with CUDA, else gloo",
+        help="default: nccl with --device cuda, else gloo",
     )
     p.add_argument(
-        "--device", choices=("cpu", "cuda"), default=None, help="default: cuda for nccl, else cpu"
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="default: cuda with --backend nccl, else cpu",
     )
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
-    p.add_argument("--offload", action="store_true", help="CPU-offload the sharded parameters")
+    p.add_argument(
+        "--steps", type=int, default=3, help="timed steps per round (default: %(default)s)"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=4, help="interleaved rounds (default: %(default)s)"
+    )
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="CPU-offload the sharded parameters (default: off)",
+    )
     p.add_argument(
         "--mixed-precision",
         nargs="?",
         const="bf16",
         choices=("bf16", "fp16"),
         default=None,
-        help="parameters in this dtype, gradients reduced in fp32",
+        help="parameters in this dtype (bf16 when given alone), gradients reduced in fp32 "
+        "(default: off, fp32 throughout)",
     )
     p.add_argument(
         "--no-reshard-after-forward",
         dest="reshard_after_forward",
         action="store_false",
-        help="keep parameters unsharded from forward to backward (FSDP: SHARD_GRAD_OP)",
+        help="keep parameters unsharded from forward to backward (FSDP: SHARD_GRAD_OP; "
+        "default: reshard after forward, FULL_SHARD)",
     )
     p.add_argument(
         "--impl",
@@ -61,14 +91,16 @@ def parser() -> argparse.ArgumentParser:
         default=list(IMPLS),
         help="implementations to run (default: all)",
     )
-    p.add_argument("--json", metavar="FILE", help="also write the results here")
+    p.add_argument("--json", metavar="FILE", help="also write the results here (default: none)")
     p.add_argument(
-        "--profile", metavar="DIR", help="write a Chrome trace per rank of one extra round"
+        "--profile",
+        metavar="DIR",
+        help="write a Chrome trace per rank of one extra round (default: none)",
     )
     p.add_argument(
         "--scaling",
         action="store_true",
-        help="scaling tables: model size, world size, fake process group",
+        help="scaling tables: model size, world size, fake process group (default: off)",
     )
     return p
 
@@ -120,23 +152,49 @@ def run_config(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     }
 
 
-def run_benchmark(config: dict[str, Any]) -> tuple[dict[str, Any], str, dict[str, Any]]:
-    """Run one configuration; ``(summary, memory note, rank 0's meta)``."""
+def run_benchmark(
+    config: dict[str, Any], finished: list[dict[str, Any]] | None = None
+) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """Run one configuration; ``(summary, memory note, rank 0's meta)``.
+
+    ``finished`` receives what rank 0 announced (a record per implementation built and per
+    implementation and round timed), also when the run is interrupted.
+    """
     options: Options = config["options"]
     world_size = config["world_size"]
     threaded = options.backend == "threaded"
     wants_heap = options.device.type == "cpu" and not threaded
-    with heap_counter_preloaded(wants_heap) as why:
-        if threaded:
-            ranks = run_threads(run_rank, world_size, config)
-            why = "threaded backend: ranks share one process heap, CPU memory not measured"
-        else:
-            ranks = run_processes(run_rank, world_size, options.backend, config)
+    with tempfile.TemporaryDirectory(prefix="reffsdp-bench-") as progress_dir:
+        config = {**config, "progress_path": os.path.join(progress_dir, "progress.jsonl")}
+        try:
+            with heap_counter_preloaded(wants_heap) as why:
+                if threaded:
+                    ranks = run_threads(run_rank, world_size, config)
+                    why = "threaded backend: ranks share one process heap, CPU memory not measured"
+                else:
+                    ranks = run_processes(run_rank, world_size, options.backend, config)
+        finally:
+            if finished is not None:
+                finished.extend(_records(config["progress_path"]))
     if options.device.type == "cuda":
         why = "CUDA caching allocator (max_memory_allocated)"
     elif not why:
         why = "process-wide heap bytes (LD_PRELOAD allocator counter)"
     return summarize(ranks, config), why, ranks[0]["_meta"]
+
+
+def _records(path: str) -> list[dict[str, Any]]:
+    """The records rank 0 appended to ``path`` (a last one cut short is left out)."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as file:
+        for line in file:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return records
 
 
 def describe(config: dict[str, Any], meta: dict[str, Any]) -> str:
@@ -159,35 +217,46 @@ def describe(config: dict[str, Any], meta: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = resolve(parser().parse_args(argv))
-    if args.scaling:
-        from .scaling import run_scaling
-
-        document = run_scaling(args)
-    else:
-        config = run_config(args)
-        summary, memory_note, meta = run_benchmark(config)
-        print(describe(config, meta))
-        print(format_table(summary, memory_note))
-        document = {
-            "config": _config_json(config, meta),
-            "memory": memory_note,
-            "results": summary,
-        }
-        if args.profile:
-            print(f"Chrome traces: {os.path.join(args.profile, 'rank<r>.json')}")
+    document: dict[str, Any] = {"interrupted": False}
+    try:
+        _run(args, document)
+    except KeyboardInterrupt:
+        document["interrupted"] = True
+        print("interrupted", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as file:
             json.dump(document, file, indent=2)
-    return 0
+    return EXIT_INTERRUPTED if document["interrupted"] else 0
 
 
-def _config_json(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+def _run(args: argparse.Namespace, document: dict[str, Any]) -> None:
+    """Run what ``args`` ask for, filling ``document`` (the ``--json`` one) as parts finish."""
+    if args.scaling:
+        from .scaling import run_scaling
+
+        run_scaling(args, document)
+        return
+    config = run_config(args)
+    document["config"] = _config_json(config, None)
+    document["finished"] = []
+    summary, memory_note, meta = run_benchmark(config, document["finished"])
+    print(describe(config, meta))
+    print(format_table(summary, memory_note))
+    del document["finished"]  # the results say it all
+    document.update(config=_config_json(config, meta), memory=memory_note, results=summary)
+    if args.profile:
+        print(f"Chrome traces: {os.path.join(args.profile, 'rank<r>.json')}")
+
+
+def _config_json(config: dict[str, Any], meta: dict[str, Any] | None) -> dict[str, Any]:
+    """The run's configuration; ``meta`` (rank 0's parameter counts) is ``None`` until the
+    ranks have built the model."""
     options: Options = config["options"]
     return {
         "model": options.workload.kind,
         "size": options.workload.size,
-        "params": meta["params"],
-        "root_params": meta["root_params"],
+        "params": None if meta is None else meta["params"],
+        "root_params": None if meta is None else meta["root_params"],
         "world_size": config["world_size"],
         "backend": options.backend,
         "device": options.device.type,

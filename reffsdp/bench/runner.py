@@ -15,13 +15,18 @@ interleaved rounds, then count their bytes and the memory each keeps.
 3. One more step per implementation under a collective counter (its dispatch-mode overhead
    never reaches a timed step): collectives and their bytes per step.
 4. With a profile directory: one more round under ``torch.profiler``.
+
+Rank 0 prints a line as each implementation is built and as each finishes a round (see
+:func:`announce`), so a run of minutes shows where it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +38,7 @@ import torch.nn as nn
 from reffsdp.core.profiling import phase
 from reffsdp.testing.comm_counter import CommCounter
 
-from .impls import Options, Skip, build, notes
+from .impls import LABELS, Options, Skip, build, notes
 from .memory import HeapCounter, MemoryProbe
 from .models import param_counts
 
@@ -77,6 +82,18 @@ def prime(names: list[str], options: Options, base: nn.Module) -> None:
     gc.collect()
 
 
+def announce(rank: int, config: dict[str, Any], line: str, record: dict[str, Any]) -> None:
+    """On rank 0: print ``line``, and append ``record`` to ``config["progress_path"]`` (when
+    set), where the launching process finds what finished if the run is interrupted."""
+    if rank != 0:
+        return
+    print(line, flush=True)
+    path = config.get("progress_path")
+    if path:
+        with open(path, "a") as file:
+            file.write(json.dumps(record) + "\n")
+
+
 def run_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
     """Benchmark every implementation in ``config["impls"]`` on this rank; the results.
 
@@ -106,10 +123,12 @@ def run_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, An
         results[name] = entry
         gc.collect()
         before = probe.current()
+        built_at = time.perf_counter()
         try:
             model = build(name, base, options)
         except Skip as skip:
             entry["skipped"] = str(skip)
+            announce(rank, config, f"{LABELS[name]}: skipped: {skip}", {"impl": name})
             continue
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         steps[name] = make_step(model, optim, batch, loss_fn)
@@ -120,6 +139,13 @@ def run_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, An
         dist.barrier()
         gc.collect()
         entry["kept"] = probe.current() - before
+        seconds = time.perf_counter() - built_at
+        announce(
+            rank,
+            config,
+            f"{LABELS[name]}: built, {WARMUP_STEPS} warm-up steps in {seconds:.1f} s",
+            {"impl": name, "built_s": seconds},
+        )
         entry.update(step_s=[], peak_above_start=[], live_at_start=[])
         if times_cpu:
             entry["cpu_s"] = []
@@ -144,6 +170,7 @@ def run_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, An
                 reserved = probe.reserved_peak()
                 if reserved is not None:
                     entry["reserved_peak"] = max(entry.get("reserved_peak", 0), reserved)
+            _announce_round(rank, config, name, round_index, entry["step_s"][-config["steps"] :])
 
     for name in names:
         dist.barrier()
@@ -163,6 +190,19 @@ def run_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, An
         "largest_block_params": largest_block,
     }
     return results
+
+
+def _announce_round(
+    rank: int, config: dict[str, Any], name: str, round_index: int, step_s: list[float]
+) -> None:
+    median_ms = statistics.median(step_s) * 1e3
+    announce(
+        rank,
+        config,
+        f"round {round_index + 1}/{config['rounds']}  {LABELS[name]:<20} median "
+        f"{median_ms:.1f} ms over {len(step_s)} steps (rank 0)",
+        {"impl": name, "round": round_index + 1, "step_ms": [s * 1e3 for s in step_s]},
+    )
 
 
 def _profile(

@@ -36,11 +36,13 @@ FAKE_IMPLS = ("reffsdp_fully_shard", "torch_fully_shard")
 DEFAULT_IMPLS = ("reffsdp_fully_shard", "torch_fully_shard")
 
 
-def run_scaling(args: argparse.Namespace) -> dict[str, Any]:
+def run_scaling(args: argparse.Namespace, document: dict[str, Any]) -> None:
+    """Run the three tables, printing each, and fill ``document`` as each row finishes (so
+    an interrupted run still keeps the rows that did)."""
     from .cli import describe, run_benchmark, run_config
 
     impls = list(DEFAULT_IMPLS) if list(args.impl) == list(IMPLS) else list(args.impl)
-    document: dict[str, Any] = {"impls": impls, "model_size": [], "world_size": []}
+    document.update(impls=impls, model_size=[], world_size=[])
     print(
         f"Scaling, {args.model}, {args.backend} on {args.device}; implementations: "
         + ", ".join(LABELS[n] for n in impls)
@@ -82,7 +84,6 @@ def run_scaling(args: argparse.Namespace) -> dict[str, Any]:
         print(f"   memory: {why}")
     document["fake_process_group"] = fake
     _print_fake(fake)
-    return document
 
 
 def _print_rows(rows, impls, first: str, label, *, sent: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""Moved to ``python -m reffsdp.bench`` (see the README's "Benchmarks"); this forwards to it."""
+"""Moved to ``python -m reffsdp.bench`` (see docs/benchmarks.md); this forwards to it."""
 
 import pathlib
 import sys

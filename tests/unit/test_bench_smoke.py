@@ -4,6 +4,7 @@ Not a timing test: it only checks that the command works and reports what it pro
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +13,11 @@ import pytest
 import torch
 
 from reffsdp.bench import impls
+from reffsdp.bench.cli import parser
 from reffsdp.bench.impls import Options, Skip, build, skip_reason, strategy
 from reffsdp.bench.models import Workload
 from reffsdp.bench.report import analytic_min_bytes, format_table, sent_per_rank, summarize
+from tests.cli_signals import deadline_s, interrupt
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,11 +39,46 @@ def _run_bench(tmp_path, impls: list[str], *options: str) -> tuple[str, dict]:
     return result.stdout, json.loads(out.read_text())
 
 
+def test_help_shows_every_default():
+    help_text = parser().format_help()
+    for action in parser()._actions:
+        if action.option_strings and action.dest != "help":
+            assert "default" in (action.help or ""), action.option_strings
+    assert "(default: 27m)" in help_text and "timed steps per round (default: 3)" in help_text
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["pid", "group"])
+def test_ctrl_c_ends_the_benchmark_and_its_rank_processes(tmp_path, how):
+    """A line per implementation and round as it goes; Ctrl-C (SIGINT to the process, or to
+    its process group) ends it at once, exit status 130, no traceback, no rank process left,
+    and the JSON keeps what finished."""
+    out = tmp_path / "bench.json"
+    command = ["reffsdp.bench", "--model", "mlp", "--size", "tiny", "--rounds", "500"]
+    command += ["--impl", "reffsdp_fully_shard", "ddp", "--json", str(out)]
+    ended = interrupt(command, "round 1/500", how)
+    assert ended.returncode == 130, ended.stderr
+    assert ended.seconds < deadline_s()
+    assert "Traceback" not in ended.stderr, ended.stderr
+    assert ended.ranks_left == []
+    assert "reffsdp fully_shard: built, 2 warm-up steps in " in ended.stdout
+    document = json.loads(out.read_text())
+    assert document["interrupted"] is True
+    assert document["config"]["impls"] == ["reffsdp_fully_shard", "ddp"]
+    rounds = [record for record in document["finished"] if "round" in record]
+    assert rounds[0]["impl"] == "reffsdp_fully_shard" and len(rounds[0]["step_ms"]) == 3
+
+
 @pytest.mark.timeout(120)
 def test_bench_command_writes_every_field(tmp_path):
     impls = ["reffsdp_fully_shard", "torch_fully_shard", "ddp", "local"]
     stdout, document = _run_bench(tmp_path, impls, "--rounds", "2")
     assert "reffsdp fully_shard" in stdout
+    for name in ("reffsdp fully_shard", "torch fully_shard", "DDP", "local (no comm)"):
+        assert f"{name}: built, 2 warm-up steps in " in stdout
+        for index in (1, 2):
+            assert re.search(rf"round {index}/2  {re.escape(name)} +median [\d.]+ ms", stdout)
+    assert document["interrupted"] is False
 
     config = document["config"]
     assert (config["model"], config["size"], config["world_size"]) == ("mlp", "tiny", 2)

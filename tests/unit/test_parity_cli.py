@@ -23,6 +23,7 @@ import torch
 
 from reffsdp.testing import __main__ as cli
 from reffsdp.testing import parity_suite, report
+from tests.cli_signals import deadline_s, interrupt
 
 ROOT = Path(__file__).resolve().parents[2]
 COUNTS = {"all_gather": 4.0, "reduce_scatter": 4.0, "all_reduce": 0.0}
@@ -214,6 +215,15 @@ def test_a_report_path_that_is_a_directory_is_refused(engine, capsys, tmp_path):
     assert "--json" in usage_error(capsys, ["--json", str(tmp_path)])
 
 
+@pytest.mark.parametrize("flag", ["--json", "--junit-xml"])
+def test_an_unwritable_report_path_is_refused_before_anything_runs(engine, capsys, tmp_path, flag):
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    err = usage_error(capsys, [flag, str(in_the_way / "parity.out")])
+    assert f"{flag} {in_the_way / 'parity.out'}: {in_the_way} is not a directory" in err
+    assert engine.options == []  # no scenario was listed or run
+
+
 def test_without_the_engine_the_command_says_so(monkeypatch, capsys):
     for name in cli.ENGINE_NAMES:
         monkeypatch.delattr(parity_suite, name, raising=False)
@@ -231,6 +241,38 @@ def test_module_runs_as_a_program():
     )
     assert done.returncode == 0, done.stderr
     assert "--junit-xml" in done.stdout and "--self-test" in done.stdout
+
+
+def test_list_into_a_pipe_closed_early_ends_quietly():
+    """``--list | head -1``: the reader is gone before the names are written."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "reffsdp.testing", "--list"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    process.stdout.close()
+    _, err = process.communicate(timeout=120)
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()
+    assert process.returncode == 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["pid", "group"])
+def test_ctrl_c_ends_a_threaded_run_keeping_what_finished(tmp_path, how):
+    """SIGINT to the process alone, or to its process group (Ctrl-C in a terminal): the run
+    stops its rank threads and ends at once, exit status 130, no traceback, and the JSON
+    holds the scenarios that finished."""
+    path = tmp_path / "parity.json"
+    ended = interrupt(["reffsdp.testing", "--mesh", "1d", "--json", str(path)], "[1/", how)
+    assert ended.returncode == 130, ended.stderr
+    assert ended.seconds < deadline_s()
+    assert "Traceback" not in ended.stderr and "terminate called" not in ended.stderr
+    assert "interrupted after " in ended.stderr
+    document = json.loads(path.read_text())
+    assert document["interrupted"] is True
+    assert 1 <= document["summary"]["total"] < 21
+    assert document["scenarios"][0]["status"] == "passed"
 
 
 def test_console_script_points_at_main():
@@ -258,6 +300,83 @@ def test_a_passing_run_prints_lines_table_and_summary(engine, capsys):
     assert "skipped wrapper/3d/fp32/mlp: needs 8 ranks" in out
     assert out.rstrip().splitlines()[-1].startswith("2 passed, 0 failed, 1 skipped in ")
     assert "\r" not in out  # no progress bar where stdout is not a terminal
+
+
+def test_every_scenario_skipped_fails_the_run_unless_skips_are_allowed(engine, capsys):
+    engine.results = [engine.results[2]]
+    assert cli.main([]) == 1
+    assert "every scenario was skipped" in capsys.readouterr().err
+    assert cli.main(["--allow-skips"]) == 0
+    engine.results.append(result("fully_shard/1d/fp32/mlp"))
+    assert cli.main([]) == 0  # some ran
+
+
+def test_one_scenario_is_singular(engine, capsys):
+    assert cli.main(["--list", "--only", "*/1d/*"]) == 0
+    assert capsys.readouterr().err == "1 scenario\n"
+    assert cli.main(["--only", "*/1d/*", "--steps", "1"]) == 0
+    assert "reffsdp parity suite: 1 scenario, threaded backend on cpu, world size 4, 1 step," in (
+        capsys.readouterr().out
+    )
+
+
+LOAD_ERROR = (
+    "RuntimeError: Error(s) in loading state_dict for FullyShardedDataParallel:\n"
+    '\tMissing key(s) in state_dict: "layers.0.weight".\n'
+    '\tUnexpected key(s) in state_dict: "layers.0._flat_param".'
+)
+LOAD_TRACEBACK = (
+    "Traceback (most recent call last):\n"
+    '  File "suite_scenarios.py", line 10, in reload\n'
+    "    model.load_state_dict(state)\n" + LOAD_ERROR
+)
+
+
+def test_a_failure_keeps_its_whole_message_and_traceback(engine, capsys, tmp_path):
+    engine.results[1] = result(
+        "fully_shard/hsdp/bf16/mlp", "failed", "error: " + LOAD_ERROR, traceback=LOAD_TRACEBACK
+    )
+    paths = ["--json", str(tmp_path / "r.json"), "--junit-xml", str(tmp_path / "r.xml")]
+    assert cli.main(paths) == 1
+    out = capsys.readouterr().out
+    live = next(line for line in out.splitlines() if line.startswith("[2/3]"))
+    assert live.endswith(
+        "(error: RuntimeError: Error(s) in loading state_dict for FullyShardedDataParallel:)"
+    )
+    failures = out[out.index("FAILED fully_shard/hsdp/bf16/mlp") :]
+    for line in LOAD_TRACEBACK.splitlines():
+        assert line.strip() in failures
+    scenario = json.loads((tmp_path / "r.json").read_text())["scenarios"][1]
+    assert scenario["message"] == "error: " + LOAD_ERROR
+    assert scenario["traceback"] == LOAD_TRACEBACK
+    failure = ET.parse(tmp_path / "r.xml").getroot().find("testsuite/testcase/failure")
+    assert LOAD_ERROR in failure.text and "in reload" in failure.text
+
+
+def test_the_table_fits_the_terminal_and_stays_whole_elsewhere(engine, capsys, monkeypatch):
+    engine.results[0] = result("fully_shard/hsdp/sd-full/transformer")
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("fully_shard/hsdp/sd-full"))
+    assert row.split()[-1] == "1.2" and "(3.0 KiB)" in row  # every column, on one line
+    assert len(row) > 120
+
+    monkeypatch.setattr(cli, "_is_terminal", lambda stream: True)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("\nscenario") : out.index("passed, ")]
+    assert max(len(line) for line in table.splitlines()) <= 80
+    lines = table.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith("fully_shard/hsdp/sd-full/ "))
+    assert lines[row + 1] == "transformer"  # the name breaks after a "/"
+    assert "not shown at this width: steps, atol/rtol, bytes/rank/step (min), s" in " ".join(
+        table.split()
+    )
+    for width in (100, 60, 200):
+        lines = report.format_table(engine.results, width).splitlines()
+        assert max(len(line) for line in lines) <= max(width, 70), width
+        assert any(line.startswith("wrapper/3d/fp32/mlp") for line in lines)
 
 
 def test_a_failing_scenario_fails_the_run_and_shows_its_message(engine, capsys):
@@ -308,18 +427,25 @@ def test_an_engine_crash_keeps_the_finished_results(engine, capsys, tmp_path):
     assert suite.get("errors") == "1" and suite.find("testcase/error") is not None
 
 
-def test_progress_bar_on_a_terminal():
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
 
+
+def test_progress_bar_on_a_terminal_and_plain_lines_elsewhere(monkeypatch):
+    monkeypatch.delenv("TERM", raising=False)
     stream = Terminal()
-    with cli.Progress(stream, 2, start=0.0) as progress:
+    with cli.Progress(stream, 2) as progress:
         progress.add("[1/2] PASS a 0.1 s")
     text = stream.getvalue()
     assert "[1/2] PASS a 0.1 s\n" in text
-    assert "] 0/2 " in text and "] 1/2 " in text
-    assert text.endswith("\r\x1b[K")  # the bar is gone once the run ends
+    assert "0/2" in text and "1/2" in text  # the bar, drawn by rich
+    assert text.endswith("\x1b[2K")  # and gone once the run ends
+
+    stream = io.StringIO()  # a file or a pipe: the lines, nothing else
+    with cli.Progress(stream, 2) as progress:
+        progress.add("[1/2] PASS a 0.1 s")
+    assert stream.getvalue() == "[1/2] PASS a 0.1 s\n"
 
 
 # --- report files -------------------------------------------------------------------------
@@ -364,6 +490,7 @@ def test_junit_xml_has_one_testcase_per_scenario(engine, tmp_path, capsys):
     properties = {p.get("name"): p.get("value") for p in suite.iter("property")}
     assert properties["torch_version"] == torch.__version__
     assert properties["backend"] == "threaded"
+    assert json.loads(properties["filters"]) == {"api": [], "mesh": [], "only": [], "exclude": []}
     cases = suite.findall("testcase")
     assert [(c.get("classname"), c.get("name")) for c in cases] == [
         ("parity.fully_shard.1d", "fully_shard/1d/fp32/mlp"),

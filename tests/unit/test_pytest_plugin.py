@@ -18,11 +18,16 @@ def run(pytester, source: str, *args: str):
     return pytester.runpytest(*PLUGIN_ARGS, *args)
 
 
+# The examples must run without a deprecation warning on every supported torch (2.13 deprecates
+# all_gather_into_tensor, and 2.11 and 2.12 have no all_gather_single).
+NO_WARNINGS = ("-W", "error::FutureWarning")
+
+
 def test_the_module_docstring_example_passes(pytester):
     doc = plugin.__doc__
     start = doc.index("    import pytest")
     end = doc.index("\nRanks share one process")
-    result = run(pytester, doc[start:end])
+    result = run(pytester, doc[start:end], *NO_WARNINGS)
     result.assert_outcomes(passed=1)
 
 
@@ -129,9 +134,47 @@ def test_comm_counter_counts_per_rank_and_outside_a_world(pytester):
     result.assert_outcomes(passed=2)
 
 
-def test_the_readme_example_passes(pytester):
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("### pytest plugin") :]
+def test_the_documented_example_passes(pytester):
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "testing.md").read_text()
+    section = doc[doc.index("## pytest plugin") :]
     start = section.index("```python\n") + len("```python\n")
-    result = run(pytester, section[start : section.index("```", start)])
+    result = run(pytester, section[start : section.index("```", start)], *NO_WARNINGS)
     result.assert_outcomes(passed=1)
+
+
+def test_collective_is_importable_from_the_testing_package():
+    import reffsdp.testing
+    from reffsdp.core import comms
+
+    assert reffsdp.testing.Collective is comms.Collective
+    assert "Collective" in reffsdp.testing.__all__
+
+
+def test_a_failure_shows_the_tests_frames_and_rank_0s_message_once(pytester):
+    result = run(
+        pytester,
+        """
+        import pytest
+        import torch
+        import torch.distributed as dist
+
+        @pytest.mark.world_size(4)
+        def test_fails(thread_world):
+            def on_rank(rank):
+                value = torch.tensor([float(rank)])
+                dist.all_reduce(value)
+                assert value.item() == 2.0, f"rank {rank} reduced to {value.item()}"
+
+            thread_world(on_rank)
+        """,
+    )
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    failure = out[out.index("___ test_fails ___") : out.index("short test summary")]
+    assert "multithread.py" not in failure and "pytest_plugin.py" not in failure, failure
+    assert "RankFailure" not in failure
+    assert failure.count("rank 0 reduced to 6.0") == 1, failure
+    assert "(raised on rank 0 of 4)" in failure
+    for rank in (1, 2, 3):
+        assert f"(rank {rank} raised too: AssertionError: rank {rank} reduced to 6.0)" in failure
+    assert len(failure.splitlines()) < 40, failure

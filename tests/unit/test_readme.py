@@ -1,0 +1,59 @@
+"""README is what a newcomer reads first: the two commands for a fresh machine, what reffsdp
+is, a sharding and a parity example, links and the reading order. The parity suite's and
+the benchmark's references live in docs/, linked from it, and what they show matches what
+the commands print today."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from reffsdp.testing import __main__ as cli
+from reffsdp.testing.parity_suite import SuiteOptions, list_scenarios
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+PARITY_DOC = ROOT / "docs" / "parity-suite.md"
+
+
+def test_the_two_commands_for_a_fresh_machine_come_first():
+    first_block = re.search(r"```bash\n(.*?)```", README, flags=re.DOTALL)
+    assert first_block.start() < README.index("\n## ")
+    commands = [line for line in first_block.group(1).splitlines() if not line.startswith("#")]
+    assert commands[0].startswith("python3 -m venv .venv && .venv/bin/pip install")
+    assert '"torch==2.13.0"' in commands[0] and commands[0].endswith("python -m reffsdp.testing")
+    assert commands[-1] == "bash ci/cpu.sh"
+
+
+def test_the_references_live_in_docs_and_readme_links_them():
+    for path in ("docs/parity-suite.md", "docs/benchmarks.md", "docs/api.md", "docs/testing.md"):
+        assert f"]({path})" in README, path
+        assert (ROOT / path).is_file(), path
+    assert "| option | what it does |" not in README  # the options table is in docs/
+    assert "IQR ms" not in README and "### Scaling" not in README  # so are the bench tables
+    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert "IQR ms" in benchmarks and "## Scaling" in benchmarks
+
+
+def test_every_option_of_the_parity_suite_is_documented():
+    documented = PARITY_DOC.read_text()
+    for action in cli.build_parser()._actions:
+        for flag in action.option_strings:
+            if flag.startswith("--") and flag != "--help":
+                assert f"`{flag}" in documented, flag
+
+
+def test_the_sample_output_matches_todays_suite():
+    """The default run (threaded ranks) runs every scenario of the matrix, skipping none."""
+    total = len(list_scenarios(SuiteOptions()))
+    for text in (README, PARITY_DOC.read_text()):
+        (summary,) = set(re.findall(r"`(\d+) passed, 0 failed, (\d+) skipped in [\d.]+ s`", text))
+        assert summary == (str(total), "0")
+    assert f"`[12/{total}] PASS fully_shard/hsdp/bf16/mlp 1.2 s`" in PARITY_DOC.read_text()
+
+
+def test_development_names_the_extra_tox_installs():
+    tox = (ROOT / "tox.ini").read_text()
+    (extra,) = set(re.findall(r"^extras = (\w+)$", tox, flags=re.MULTILINE))
+    development = README[README.index("## Development") :]
+    assert f"`{extra}` extra" in development
