@@ -9,7 +9,9 @@ they see.
 * ``FULL_STATE_DICT``: the pre-hook all-gathers the flat parameter (in full precision) and
   registers each original parameter as a full-size ``nn.Parameter`` view of it, hiding the
   flat parameter; ``nn.Module`` then saves or loads them under their original names. The
-  post-hook clones the values (or copies them to CPU) and reshards; on load it first copies
+  post-hook clones the value under every name of every original parameter (or copies it to
+  CPU) and reshards: a value left viewing the gathered buffer would be read after that
+  buffer is freed (a crash, or another tensor's bytes). On load the post-hook first copies
   this rank's chunk of the gathered buffer back into the shard.
 * ``SHARDED_STATE_DICT``: as FULL, but each full parameter is then chunked on dim 0 over the
   shard group (``torch.chunk`` semantics, like ``Shard(0)``). A flat-parameter shard cuts
@@ -20,12 +22,21 @@ they see.
   flat parameter's numel (tail padding left out), under ``<prefix>_flat_param``. Its layout
   depends on the world size, so it loads only at the world size that saved it.
 
-Keys are the original names: each post-hook strips ``_fsdp_wrapped_module.`` below its
-prefix (inner instances first, so the root sees clean names), keeping the order
-``nn.Module`` produced. Each load pre-hook puts the prefix back on every key below its own
-prefix, so nested instances and ``nn.Module``'s recursion find their keys; the load
-post-hook strips it again from missing and unexpected keys, so ``strict`` reports original
-names.
+[Note: names in state dicts]
+Keys are the names of the model without any wrapper, as torch's are:
+
+1. Each post-hook strips ``_fsdp_wrapped_module.`` below its prefix (inner instances first,
+   so the root sees clean names), keeping the order ``nn.Module`` produced. Each load
+   pre-hook puts the prefix back on every key below its own prefix, so nested instances and
+   ``nn.Module``'s recursion find their keys; the load post-hook strips it again from
+   missing and unexpected keys, so ``strict`` reports original names.
+2. An original parameter has as many names as ``nn.Module.state_dict`` finds paths to it:
+   a tied weight one per module holding it, a shared module's parameters one per path to
+   the module. :func:`param_names` walks the wrapped module for them at each call, so
+   every name is converted (chunked, copied, gathered back) and none is left behind.
+3. Activation-checkpoint wrappers (torch's ``checkpoint_wrapper``) strip their own
+   ``_checkpoint_wrapped_module.`` in their hooks; :func:`param_names` walks the modules'
+   current paths, so a wrapper put around a module after wrapping is seen too.
 
 Sharded values are ``ShardedTensor`` s, as torch's are, unless the config asks for
 ``_use_dtensor`` (set automatically when the wrapper was given a ``device_mesh``): then
@@ -256,6 +267,33 @@ def _effective_type(instance: FullyShardedDataParallel) -> StateDictType:
     return instance._state_dict_type
 
 
+def param_names(instance: FullyShardedDataParallel) -> list[str]:
+    """Every name under which ``nn.Module.state_dict`` lists a parameter of this instance's
+    flat parameter, below the wrapped module, without wrapper prefixes: a tied parameter
+    under each of its names, a shared module's parameters under each path to the module,
+    at the modules' current paths (see [Note: names in state dicts])."""
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+    handle = instance._handle
+    if handle is None:
+        return []
+    shown: dict[int, dict[str, None]] = {}  # id(module) -> its attributes that are ours
+    for slots in handle.slots:
+        for slot in slots:
+            shown.setdefault(id(slot.module), {})[slot.name] = None
+    names: dict[str, None] = {}
+
+    def visit(module: nn.Module, path: str) -> None:
+        for name in shown.get(id(module), ()):
+            names[clean_name(path + name)] = None
+        for child_name, child in module._modules.items():
+            if child is not None and not isinstance(child, FullyShardedDataParallel):
+                visit(child, f"{path}{child_name}.")
+
+    visit(instance._fsdp_wrapped_module, "")
+    return list(names)
+
+
 # -- the unsharded window of FULL and SHARDED -------------------------------------------------
 # Saving and loading a full or sharded state dict read and write the original parameters at
 # full size: the same window as ``summon_full_params`` on one instance (full precision, the
@@ -304,9 +342,7 @@ def _post_state_dict_hook(
         if handle is not None:
             state_dict[prefix + FLAT_PARAM] = _local_flat_param(instance, config.offload_to_cpu)
         return
-    # Every name a parameter is shown under: a tied one is a view of the gathered buffer
-    # under each of its names, and each must be copied out before that buffer is freed.
-    names = [prefix + slot.fqn for slots in handle.slots for slot in slots] if handle else []
+    names = [prefix + name for name in param_names(instance)]  # views of the window
     try:
         if kind is StateDictType.FULL_STATE_DICT:
             if isinstance(config, FullStateDictConfig) and config.rank0_only and instance.rank:
@@ -486,8 +522,8 @@ def _pre_load_state_dict_hook(
         _replace_prefix(state_dict, prefix, prefix + WRAPPED_PREFIX)
         return
     if handle is not None:
-        for fqn in handle.fqns:
-            key = prefix + fqn
+        for name in param_names(instance):
+            key = prefix + name
             if key not in state_dict:
                 continue  # nn.Module reports it missing
             value = state_dict[key]

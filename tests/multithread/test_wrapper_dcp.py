@@ -51,6 +51,7 @@ from tests.multithread.test_wrapper_state_dict import (
     trained_next_to_torch,
     wrap,
 )
+from tests.multithread.test_wrapper_state_dict_models import SharedModuleAndParameter, tied_stack
 
 pytestmark = [pytest.mark.multithread, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -130,6 +131,31 @@ class TestWrapperDCP(NextToTorchsWrapper):
         other = wrap(_blocks(), use_orig_params=use_orig_params)  # other weights
         other_optim = adam(other.parameters())  # no state yet: DCP gives it some
         load(other, other_optim, model_state, optim_state, opts)
+        self._check_continues(model, optim, other, other_optim, where)
+
+    def test_shared_parameters_round_trip(self):
+        """Tied weights, a shared module and a parameter registered twice: DCP's state dicts
+        load back (a sharded load failed on a tied weight's second name)."""
+        self.run_subtests(
+            {
+                "factory": [tied_stack, SharedModuleAndParameter],
+                "use_orig_params": [False, True],
+                "options": ["full", "sharded"],
+            },
+            self._shared_round_trip,
+        )
+
+    def _shared_round_trip(self, factory, use_orig_params: bool, options: str) -> None:
+        where = f"{factory.__name__}, {options}, use_orig_params={use_orig_params}"
+        base = factory()
+        self.sync_module_states(base)
+        model = wrap(base, use_orig_params=use_orig_params)
+        optim = adam(model.parameters())
+        train_step(model, optim, make_inputs(0, self.rank))
+        model_state, optim_state = get_state_dict(model, optim, options=OPTIONS[options])
+        other = wrap(factory(), use_orig_params=use_orig_params)  # other weights
+        other_optim = adam(other.parameters())
+        load(other, other_optim, model_state, optim_state, OPTIONS[options])
         self._check_continues(model, optim, other, other_optim, where)
 
     def test_halves_and_sharded_optimizer_state_match_torch(self):
