@@ -36,7 +36,11 @@ Keys are the names of the model without any wrapper, as torch's are:
    every name is converted (chunked, copied, gathered back) and none is left behind.
 3. Activation-checkpoint wrappers (torch's ``checkpoint_wrapper``) strip their own
    ``_checkpoint_wrapped_module.`` in their hooks; :func:`param_names` walks the modules'
-   current paths, so a wrapper put around a module after wrapping is seen too.
+   current paths, so a wrapper put around a module after wrapping is seen too. The flat
+   parameter is registered on the module inside such a wrapper (``FullyShardedDataParallel
+   .module``), where the wrapper's load hook sends ``_flat_param`` (a local state dict),
+   and where it still is when ``apply_activation_checkpointing`` wraps the wrapped module
+   itself later.
 
 Sharded values are ``ShardedTensor`` s, as torch's are, unless the config asks for
 ``_use_dtensor`` (set automatically when the wrapper was given a ``device_mesh``): then

@@ -199,6 +199,11 @@ class TestSharedParameters(NextToTorchsWrapper):
 # -- activation-checkpoint wrappers ---------------------------------------------------------
 
 CHECKPOINTING = ("none", "inside", "around", "after")
+# (saved from, loaded into): each kind of wrapping to and from none, and into itself
+CROSSINGS = [(how, "none") for how in CHECKPOINTING[1:]] + [
+    *(("none", how) for how in CHECKPOINTING[1:]),
+    *((how, how) for how in CHECKPOINTING[1:]),
+]
 
 
 def _blocks_checkpointed(base: MLPBlocks, how: str, **kwargs) -> FSDP:
@@ -216,6 +221,14 @@ def _blocks_checkpointed(base: MLPBlocks, how: str, **kwargs) -> FSDP:
     for i, layer in enumerate(model.layers):
         model.layers[i] = FSDP(checkpoint_wrapper(layer), **kwargs)
     return FSDP(checkpoint_wrapper(model) if how == "around" else model, **kwargs)
+
+
+def _linear_checkpointed_after_wrapping(base: nn.Linear, **kwargs) -> FSDP:
+    """``FSDP(linear)`` whose wrapped module itself is then put in a checkpoint wrapper."""
+    model = FSDP(copy.deepcopy(base), **kwargs)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Linear))
+    assert type(model._fsdp_wrapped_module).__name__ == "CheckpointWrapper"
+    return model
 
 
 class TestCheckpointWrappers(NextToTorchsWrapper):
@@ -243,3 +256,59 @@ class TestCheckpointWrappers(NextToTorchsWrapper):
             if isinstance(value, ShardedTensor):
                 expected = expected.chunk(self.world_size)[self.rank]
             self.assertTrue(torch.equal(local, expected), name)
+
+    def test_load_across_checkpointing(self):
+        """A state dict saved with or without checkpoint wrappers loads into a model with or
+        without them (strict), and the loaded model shows the saved values."""
+        self.run_subtests(
+            {"kind": [FULL, SHARDED, LOCAL], "use_orig_params": [False, True]},
+            self._check_load_across,
+        )
+
+    def _check_load_across(self, kind: StateDictType, use_orig_params: bool) -> None:
+        base = MLPBlocks(DIM, (3, 4), with_buffer=True)
+        self.sync_module_states(base)
+        expected = base.state_dict()
+        for source, dest in CROSSINGS:
+            where = f"{kind}, {source} -> {dest}, use_orig_params={use_orig_params}"
+            model = _blocks_checkpointed(base, source, use_orig_params=use_orig_params)
+            with FSDP.state_dict_type(model, kind):
+                state = model.state_dict()
+            _check_owned(self, state, kind, where)
+            other = _blocks_checkpointed(
+                MLPBlocks(DIM, (3, 4), with_buffer=True), dest, use_orig_params=use_orig_params
+            )
+            with FSDP.state_dict_type(other, kind):
+                other.load_state_dict(state)
+            for name, value in full_values(other).items():
+                self.assertTrue(torch.equal(value, expected[name]), f"{where}: {name}")
+
+    def test_checkpoint_wrapper_put_around_the_wrapped_module(self):
+        """``apply_activation_checkpointing`` on ``FSDP(linear)`` replaces the wrapped module
+        itself: summoned, the model shows the linear's two parameters and not the flat
+        parameter too (it showed three), and state dicts round-trip, as torch's."""
+        for use_orig_params in (False, True):
+            base = nn.Linear(DIM, DIM)
+            self.sync_module_states(base)
+            model = _linear_checkpointed_after_wrapping(base, use_orig_params=use_orig_params)
+            theirs = TorchFSDP(
+                copy.deepcopy(base), device_id=torch.device("cpu"), use_orig_params=use_orig_params
+            )
+            apply_activation_checkpointing(theirs, check_fn=lambda m: isinstance(m, nn.Linear))
+            with FSDP.summon_full_params(model), TorchFSDP.summon_full_params(theirs):
+                names = [name for name, _ in model.named_parameters()]
+                self.assertEqual(names, [name for name, _ in theirs.named_parameters()])
+                self.assertEqual(len(names), 2, names)
+            for kind in (FULL, SHARDED, LOCAL):
+                with TorchFSDP.state_dict_type(theirs, TORCH_TYPES[kind]):
+                    expected = theirs.state_dict()
+                with FSDP.state_dict_type(model, kind):
+                    state = model.state_dict()
+                self.assertEqual(list(state), list(expected), kind)
+                other = _linear_checkpointed_after_wrapping(
+                    nn.Linear(DIM, DIM), use_orig_params=use_orig_params
+                )
+                with FSDP.state_dict_type(other, kind):
+                    other.load_state_dict(state)
+                for name, value in full_values(other).items():
+                    self.assertTrue(torch.equal(value, base.state_dict()[name]), f"{kind} {name}")
