@@ -58,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -550,18 +550,69 @@ def _post_load_state_dict_hook(instance: FullyShardedDataParallel, incompatible:
 
 def _wrong_type(
     instance: FullyShardedDataParallel, key: str, value: Any, kind: StateDictType
-) -> None:
-    expected = (
-        "a ShardedTensor or DTensor"
-        if kind is StateDictType.SHARDED_STATE_DICT
-        else ("a plain tensor")
-    )
-    raise ValueError(
-        f"{_name(instance)} loads a {kind.name} and expects {expected} for {key!r}, got a "
-        f"{type(value).__name__}: the state dict was saved under another StateDictType; load "
-        "it inside FullyShardedDataParallel.state_dict_type(model, <the type it was saved "
-        "with>)"
-    )
+) -> NoReturn:
+    """Raise for a value that ``kind`` cannot load: what it is, what saves such values, and
+    how this instance shards (a plain tensor at a SHARDED load, say, may come from a model on
+    one rank, which runs as NO_SHARD and saves plain tensors for every type)."""
+    name, found = _name(instance), _describe(value)
+    here = _how_sharded(instance)
+    if kind is StateDictType.LOCAL_STATE_DICT:
+        problem = (
+            f"{name} loads a LOCAL_STATE_DICT and expects a ShardedTensor of its flat "
+            f"parameter for {key!r}, got {found}: it was saved under another StateDictType"
+        )
+        remedy = "Load it inside FullyShardedDataParallel.state_dict_type(model, <its type>)"
+    elif kind is StateDictType.SHARDED_STATE_DICT:
+        problem = (
+            f"{name} loads a SHARDED_STATE_DICT and expects a ShardedTensor or DTensor for "
+            f"{key!r}, got {found}. Plain tensors are what a FULL_STATE_DICT holds, and what "
+            "a model whose parameters are whole on every rank (NO_SHARD, which FULL_SHARD and "
+            f"SHARD_GRAD_OP become on a single rank) saves for every type; this instance {here}"
+        )
+        remedy = "Load it inside FullyShardedDataParallel.state_dict_type(model, FULL_STATE_DICT)"
+    elif instance.sharding_strategy is ShardingStrategy.NO_SHARD:
+        problem = (
+            f"{name} {here}, but {key!r} is {found}, saved by a model that sharded its "
+            "parameters (a SHARDED_STATE_DICT)"
+        )
+        remedy = (
+            "Gather it into plain tensors first: save a FULL_STATE_DICT from that model, or "
+            "load the checkpoint with torch.distributed.checkpoint into this model's state "
+            "dict, which reshards it"
+        )
+    else:
+        problem = (
+            f"{name} loads a FULL_STATE_DICT and expects a plain tensor for {key!r}, got "
+            f"{found}, as a SHARDED_STATE_DICT holds; this instance {here}"
+        )
+        remedy = (
+            "Load it inside FullyShardedDataParallel.state_dict_type(model, SHARDED_STATE_DICT)"
+        )
+    raise ValueError(f"{problem}. {remedy}")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, ShardedTensor):
+        shards = len(value.metadata().shards_metadata)
+        return f"a ShardedTensor in {shards} shard{'s' if shards > 1 else ''}"
+    if isinstance(value, DTensor):
+        return f"a DTensor over {value.device_mesh.size()} ranks"
+    return f"a plain {type(value).__name__}"
+
+
+def _how_sharded(instance: FullyShardedDataParallel) -> str:
+    mesh_info = instance._mesh_info
+    if instance.sharding_strategy is ShardingStrategy.NO_SHARD:
+        return (
+            f"uses NO_SHARD on {_ranks(mesh_info.replicate_size)}: its parameters are whole "
+            "on every rank, and it saves and loads plain tensors for every state-dict type"
+        )
+    strategy = instance.sharding_strategy.name
+    return f"shards its parameters over {_ranks(mesh_info.shard_size)} ({strategy})"
+
+
+def _ranks(count: int) -> str:
+    return f"{count} rank{'s' if count > 1 else ''}"
 
 
 def _load_local_flat_param(

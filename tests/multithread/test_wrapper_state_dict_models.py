@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from reffsdp import FullyShardedDataParallel as FSDP
 from reffsdp.api import StateDictType
 from reffsdp.testing.models import MLPBlocks, TiedMLPStack
+from reffsdp.testing.multithread import run_threaded
 from reffsdp.testing.parity import train_step
 from tests.multithread.test_wrapper_state_dict import (
     DIM,
@@ -312,3 +313,37 @@ class TestCheckpointWrappers(NextToTorchsWrapper):
                     other.load_state_dict(state)
                 for name, value in full_values(other).items():
                     self.assertTrue(torch.equal(value, base.state_dict()[name]), f"{kind} {name}")
+
+
+# -- sharded state dicts across NO_SHARD (rank threads of two runs share memory) ------------
+
+
+@pytest.mark.parametrize(
+    ("saved_on", "loaded_on", "message"),
+    [
+        (1, 2, r"whole on every rank \(NO_SHARD.*shards its parameters over 2 ranks \(FULL_SHARD"),
+        (2, 1, r"uses NO_SHARD on 1 rank.*ShardedTensor in 2 shards.*saved by a model that"),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:.*NO_SHARD")
+def test_sharded_state_dict_across_no_shard_says_what_differs(saved_on, loaded_on, message):
+    """A SHARDED_STATE_DICT of one rank (where FULL_SHARD runs as NO_SHARD: plain tensors)
+    loaded on two, or the reverse: the error says how the two models shard (it blamed
+    "another StateDictType", which both used)."""
+    torch.manual_seed(0)
+    base = MLPBlocks(DIM, (3, 4), with_buffer=True)
+    saved: dict[int, dict] = {}
+
+    def save_sharded(rank: int) -> None:
+        model = wrap(copy.deepcopy(base))
+        with FSDP.state_dict_type(model, SHARDED):
+            saved[rank] = model.state_dict()
+
+    def load_sharded(rank: int) -> None:
+        model = wrap(copy.deepcopy(base))
+        with FSDP.state_dict_type(model, SHARDED):
+            with pytest.raises(ValueError, match=message):
+                model.load_state_dict(saved[rank % saved_on])
+
+    run_threaded(save_sharded, saved_on)
+    run_threaded(load_sharded, loaded_on)
