@@ -40,7 +40,8 @@ Keys are the names of the model without any wrapper, as torch's are:
    parameter is registered on the module inside such a wrapper (``FullyShardedDataParallel
    .module``), where the wrapper's load hook sends ``_flat_param`` (a local state dict),
    and where it still is when ``apply_activation_checkpointing`` wraps the wrapped module
-   itself later.
+   itself later. Optimizer state dicts name parameters by ``FlatParamHandle.fqns``, which
+   leave the wrapper's prefix out too.
 
 Sharded values are ``ShardedTensor`` s, as torch's are, unless the config asks for
 ``_use_dtensor`` (set automatically when the wrapper was given a ``device_mesh``): then
