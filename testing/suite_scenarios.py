@@ -33,7 +33,9 @@ wrapper's ``SHARD_GRAD_OP`` / ``_HYBRID_SHARD_ZERO2``); ``accum`` (two microbatc
 the first without gradient sync); ``ckpt`` (activation checkpointing); ``frozen`` (a frozen
 middle block); ``tied`` (tied weights); ``orig-params`` (wrapper, ``use_orig_params=True``;
 its other scenarios use ``False``); ``sd-full`` / ``sd-sharded`` (train, save a full or
-sharded state dict, load it into a freshly built sharded model, train on).
+sharded state dict, load it into a freshly built sharded model, train on; their models tie
+a weight, which the state dict holds under both names, as a GPT-2's embedding and output
+layer).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ _MODEL_1D = {
     "tied": "transformer",
     "orig-params": "transformer",
     "sd-full": "mlp",
-    "sd-sharded": "convnet",
+    "sd-sharded": "transformer",
 }
 _MODEL_HSDP = {
     "fp32": "mlp",
@@ -274,14 +276,19 @@ def _same_on_every_rank(factory: Callable[[], nn.Module], seed: int, device) -> 
     return model
 
 
+# Features whose models tie a weight: state dicts save and load it under both names.
+_TIED_FEATURES = ("tied", "sd-full", "sd-sharded")
+
+
 def _new_model(spec: ScenarioSpec, device: torch.device, seed: int) -> nn.Module:
     """The unsharded model, identical on every rank and in every run (``seed`` varies it)."""
     tp = spec.mesh in TP_MESHES
     if spec.custom is not None:
         return _same_on_every_rank(spec.custom.model_factory, seed, device)
+    tied = spec.feature in _TIED_FEATURES
     if spec.model == "mlp":
         dim = TP_DIM if tp else MLP_DIM
-        if spec.feature == "tied":
+        if tied:
             model = TiedMLPStack(dim)
         elif spec.feature == "ckpt":
             model = CheckpointedMLPStack(dim)
@@ -292,7 +299,7 @@ def _new_model(spec: ScenarioSpec, device: torch.device, seed: int) -> nn.Module
         return init_deterministic(model, seed).to(device)
     if spec.model == "transformer":
         args = ModelArgs(
-            weight_tying=spec.feature == "tied",
+            weight_tying=tied,
             checkpoint_activations=spec.feature == "ckpt",
         )
         return _same_on_every_rank(lambda: Transformer(args), seed, device)

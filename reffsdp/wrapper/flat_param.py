@@ -37,6 +37,8 @@ import torch.nn as nn
 from ..core.member import GroupMember, resolve_dtypes, with_storage
 from .flat_layout import FlatLayout, RankShard, flat_layout
 
+_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper's submodule
+
 
 class FlatParameter(nn.Parameter):
     """This rank's shard of a wrapper instance's flattened parameters (1-D).
@@ -115,9 +117,7 @@ class FlatParamHandle(GroupMember):
         if self.offload:
             self.local_shard = self.local_shard.cpu().pin_memory()
         self.flat_param = FlatParameter(self.local_shard, requires_grad=any(self.trainable))
-        self.flat_param._fqns = tuple(
-            fqn.replace("_checkpoint_wrapped_module.", "") for fqn in self.fqns
-        )
+        self.flat_param._fqns = tuple(self.fqns)
         self.orig_params: list[nn.Parameter] = []
         if use_orig_params:
             # The very parameter objects, now viewing their pieces: an optimizer made before
@@ -169,8 +169,9 @@ class FlatParamHandle(GroupMember):
 
     @property
     def fqns(self) -> list[str]:
-        """The original parameters' paths, relative to the wrapped module."""
-        return [slots[0].fqn for slots in self.slots]
+        """The original parameters' names relative to the wrapped module, as state dicts
+        name them: without the prefix of an activation-checkpoint wrapper."""
+        return [slots[0].fqn.replace(_CHECKPOINT_PREFIX, "") for slots in self.slots]
 
     @property
     def requires_grad(self) -> bool:

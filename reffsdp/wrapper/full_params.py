@@ -294,7 +294,7 @@ class _FullParams:
         views = self._views(shown)
         grad_views = self._views(self.grad_flat) if self.grad_flat is not None else None
         if not handle.use_orig_params:
-            wrapped = self.instance._fsdp_wrapped_module
+            wrapped = self.instance.module  # holds the flat parameter
             self.saved_flat_entries = list(wrapped._parameters.items())
             wrapped._parameters.pop("_flat_param", None)
         for i, slots in enumerate(handle.slots):
@@ -335,7 +335,7 @@ class _FullParams:
                 if grad is not None:
                     _assign_grad(param, grad.view(param.shape))
         if self.saved_flat_entries is not None:
-            wrapped = self.instance._fsdp_wrapped_module
+            wrapped = self.instance.module
             wrapped._parameters.clear()
             wrapped._parameters.update(self.saved_flat_entries)
 

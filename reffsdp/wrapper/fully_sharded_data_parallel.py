@@ -211,7 +211,7 @@ class FullyShardedDataParallel(nn.Module):
         handle.post_backward_hook = self._post_backward
         mp = self.mixed_precision
         handle.keep_low_precision_grads = bool(mp and mp.keep_low_precision_grads)
-        module = self._fsdp_wrapped_module
+        module = self.module  # inside a checkpoint wrapper: see [Note: names in state dicts]
         if self._use_orig_params:
             module.__dict__[FLAT_PARAM] = handle.flat_param
         else:

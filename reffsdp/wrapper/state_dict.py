@@ -9,7 +9,9 @@ they see.
 * ``FULL_STATE_DICT``: the pre-hook all-gathers the flat parameter (in full precision) and
   registers each original parameter as a full-size ``nn.Parameter`` view of it, hiding the
   flat parameter; ``nn.Module`` then saves or loads them under their original names. The
-  post-hook clones the values (or copies them to CPU) and reshards; on load it first copies
+  post-hook clones the value under every name of every original parameter (or copies it to
+  CPU) and reshards: a value left viewing the gathered buffer would be read after that
+  buffer is freed (a crash, or another tensor's bytes). On load the post-hook first copies
   this rank's chunk of the gathered buffer back into the shard.
 * ``SHARDED_STATE_DICT``: as FULL, but each full parameter is then chunked on dim 0 over the
   shard group (``torch.chunk`` semantics, like ``Shard(0)``). A flat-parameter shard cuts
@@ -20,12 +22,26 @@ they see.
   flat parameter's numel (tail padding left out), under ``<prefix>_flat_param``. Its layout
   depends on the world size, so it loads only at the world size that saved it.
 
-Keys are the original names: each post-hook strips ``_fsdp_wrapped_module.`` below its
-prefix (inner instances first, so the root sees clean names), keeping the order
-``nn.Module`` produced. Each load pre-hook puts the prefix back on every key below its own
-prefix, so nested instances and ``nn.Module``'s recursion find their keys; the load
-post-hook strips it again from missing and unexpected keys, so ``strict`` reports original
-names.
+[Note: names in state dicts]
+Keys are the names of the model without any wrapper, as torch's are:
+
+1. Each post-hook strips ``_fsdp_wrapped_module.`` below its prefix (inner instances first,
+   so the root sees clean names), keeping the order ``nn.Module`` produced. Each load
+   pre-hook puts the prefix back on every key below its own prefix, so nested instances and
+   ``nn.Module``'s recursion find their keys; the load post-hook strips it again from
+   missing and unexpected keys, so ``strict`` reports original names.
+2. An original parameter has as many names as ``nn.Module.state_dict`` finds paths to it:
+   a tied weight one per module holding it, a shared module's parameters one per path to
+   the module. :func:`param_names` walks the wrapped module for them at each call, so
+   every name is converted (chunked, copied, gathered back) and none is left behind.
+3. Activation-checkpoint wrappers (torch's ``checkpoint_wrapper``) strip their own
+   ``_checkpoint_wrapped_module.`` in their hooks; :func:`param_names` walks the modules'
+   current paths, so a wrapper put around a module after wrapping is seen too. The flat
+   parameter is registered on the module inside such a wrapper (``FullyShardedDataParallel
+   .module``), where the wrapper's load hook sends ``_flat_param`` (a local state dict),
+   and where it still is when ``apply_activation_checkpointing`` wraps the wrapped module
+   itself later. Optimizer state dicts name parameters by ``FlatParamHandle.fqns``, which
+   leave the wrapper's prefix out too.
 
 Sharded values are ``ShardedTensor`` s, as torch's are, unless the config asks for
 ``_use_dtensor`` (set automatically when the wrapper was given a ``device_mesh``): then
@@ -43,7 +59,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -256,6 +272,33 @@ def _effective_type(instance: FullyShardedDataParallel) -> StateDictType:
     return instance._state_dict_type
 
 
+def param_names(instance: FullyShardedDataParallel) -> list[str]:
+    """Every name under which ``nn.Module.state_dict`` lists a parameter of this instance's
+    flat parameter, below the wrapped module, without wrapper prefixes: a tied parameter
+    under each of its names, a shared module's parameters under each path to the module,
+    at the modules' current paths (see [Note: names in state dicts])."""
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+    handle = instance._handle
+    if handle is None:
+        return []
+    shown: dict[int, dict[str, None]] = {}  # id(module) -> its attributes that are ours
+    for slots in handle.slots:
+        for slot in slots:
+            shown.setdefault(id(slot.module), {})[slot.name] = None
+    names: dict[str, None] = {}
+
+    def visit(module: nn.Module, path: str) -> None:
+        for name in shown.get(id(module), ()):
+            names[clean_name(path + name)] = None
+        for child_name, child in module._modules.items():
+            if child is not None and not isinstance(child, FullyShardedDataParallel):
+                visit(child, f"{path}{child_name}.")
+
+    visit(instance._fsdp_wrapped_module, "")
+    return list(names)
+
+
 # -- the unsharded window of FULL and SHARDED -------------------------------------------------
 # Saving and loading a full or sharded state dict read and write the original parameters at
 # full size: the same window as ``summon_full_params`` on one instance (full precision, the
@@ -304,9 +347,7 @@ def _post_state_dict_hook(
         if handle is not None:
             state_dict[prefix + FLAT_PARAM] = _local_flat_param(instance, config.offload_to_cpu)
         return
-    # Every name a parameter is shown under: a tied one is a view of the gathered buffer
-    # under each of its names, and each must be copied out before that buffer is freed.
-    names = [prefix + slot.fqn for slots in handle.slots for slot in slots] if handle else []
+    names = [prefix + name for name in param_names(instance)]  # views of the window
     try:
         if kind is StateDictType.FULL_STATE_DICT:
             if isinstance(config, FullStateDictConfig) and config.rank0_only and instance.rank:
@@ -486,8 +527,8 @@ def _pre_load_state_dict_hook(
         _replace_prefix(state_dict, prefix, prefix + WRAPPED_PREFIX)
         return
     if handle is not None:
-        for fqn in handle.fqns:
-            key = prefix + fqn
+        for name in param_names(instance):
+            key = prefix + name
             if key not in state_dict:
                 continue  # nn.Module reports it missing
             value = state_dict[key]
@@ -510,18 +551,69 @@ def _post_load_state_dict_hook(instance: FullyShardedDataParallel, incompatible:
 
 def _wrong_type(
     instance: FullyShardedDataParallel, key: str, value: Any, kind: StateDictType
-) -> None:
-    expected = (
-        "a ShardedTensor or DTensor"
-        if kind is StateDictType.SHARDED_STATE_DICT
-        else ("a plain tensor")
-    )
-    raise ValueError(
-        f"{_name(instance)} loads a {kind.name} and expects {expected} for {key!r}, got a "
-        f"{type(value).__name__}: the state dict was saved under another StateDictType; load "
-        "it inside FullyShardedDataParallel.state_dict_type(model, <the type it was saved "
-        "with>)"
-    )
+) -> NoReturn:
+    """Raise for a value that ``kind`` cannot load: what it is, what saves such values, and
+    how this instance shards (a plain tensor at a SHARDED load, say, may come from a model on
+    one rank, which runs as NO_SHARD and saves plain tensors for every type)."""
+    name, found = _name(instance), _describe(value)
+    here = _how_sharded(instance)
+    if kind is StateDictType.LOCAL_STATE_DICT:
+        problem = (
+            f"{name} loads a LOCAL_STATE_DICT and expects a ShardedTensor of its flat "
+            f"parameter for {key!r}, got {found}: it was saved under another StateDictType"
+        )
+        remedy = "Load it inside FullyShardedDataParallel.state_dict_type(model, <its type>)"
+    elif kind is StateDictType.SHARDED_STATE_DICT:
+        problem = (
+            f"{name} loads a SHARDED_STATE_DICT and expects a ShardedTensor or DTensor for "
+            f"{key!r}, got {found}. Plain tensors are what a FULL_STATE_DICT holds, and what "
+            "a model whose parameters are whole on every rank (NO_SHARD, which FULL_SHARD and "
+            f"SHARD_GRAD_OP become on a single rank) saves for every type; this instance {here}"
+        )
+        remedy = "Load it inside FullyShardedDataParallel.state_dict_type(model, FULL_STATE_DICT)"
+    elif instance.sharding_strategy is ShardingStrategy.NO_SHARD:
+        problem = (
+            f"{name} {here}, but {key!r} is {found}, saved by a model that sharded its "
+            "parameters (a SHARDED_STATE_DICT)"
+        )
+        remedy = (
+            "Gather it into plain tensors first: save a FULL_STATE_DICT from that model, or "
+            "load the checkpoint with torch.distributed.checkpoint into this model's state "
+            "dict, which reshards it"
+        )
+    else:
+        problem = (
+            f"{name} loads a FULL_STATE_DICT and expects a plain tensor for {key!r}, got "
+            f"{found}, as a SHARDED_STATE_DICT holds; this instance {here}"
+        )
+        remedy = (
+            "Load it inside FullyShardedDataParallel.state_dict_type(model, SHARDED_STATE_DICT)"
+        )
+    raise ValueError(f"{problem}. {remedy}")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, ShardedTensor):
+        shards = len(value.metadata().shards_metadata)
+        return f"a ShardedTensor in {shards} shard{'s' if shards > 1 else ''}"
+    if isinstance(value, DTensor):
+        return f"a DTensor over {value.device_mesh.size()} ranks"
+    return f"a plain {type(value).__name__}"
+
+
+def _how_sharded(instance: FullyShardedDataParallel) -> str:
+    mesh_info = instance._mesh_info
+    if instance.sharding_strategy is ShardingStrategy.NO_SHARD:
+        return (
+            f"uses NO_SHARD on {_ranks(mesh_info.replicate_size)}: its parameters are whole "
+            "on every rank, and it saves and loads plain tensors for every state-dict type"
+        )
+    strategy = instance.sharding_strategy.name
+    return f"shards its parameters over {_ranks(mesh_info.shard_size)} ({strategy})"
+
+
+def _ranks(count: int) -> str:
+    return f"{count} rank{'s' if count > 1 else ''}"
 
 
 def _load_local_flat_param(

@@ -51,6 +51,11 @@ from tests.multithread.test_wrapper_state_dict import (
     trained_next_to_torch,
     wrap,
 )
+from tests.multithread.test_wrapper_state_dict_models import (
+    SharedModuleAndParameter,
+    _blocks_checkpointed,
+    tied_stack,
+)
 
 pytestmark = [pytest.mark.multithread, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -131,6 +136,58 @@ class TestWrapperDCP(NextToTorchsWrapper):
         other_optim = adam(other.parameters())  # no state yet: DCP gives it some
         load(other, other_optim, model_state, optim_state, opts)
         self._check_continues(model, optim, other, other_optim, where)
+
+    def test_shared_parameters_round_trip(self):
+        """Tied weights, a shared module and a parameter registered twice: DCP's state dicts
+        load back (a sharded load failed on a tied weight's second name)."""
+        self.run_subtests(
+            {
+                "factory": [tied_stack, SharedModuleAndParameter],
+                "use_orig_params": [False, True],
+                "options": ["full", "sharded"],
+            },
+            self._shared_round_trip,
+        )
+
+    def _shared_round_trip(self, factory, use_orig_params: bool, options: str) -> None:
+        where = f"{factory.__name__}, {options}, use_orig_params={use_orig_params}"
+        base = factory()
+        self.sync_module_states(base)
+        model = wrap(base, use_orig_params=use_orig_params)
+        optim = adam(model.parameters())
+        train_step(model, optim, make_inputs(0, self.rank))
+        model_state, optim_state = get_state_dict(model, optim, options=OPTIONS[options])
+        other = wrap(factory(), use_orig_params=use_orig_params)  # other weights
+        other_optim = adam(other.parameters())
+        load(other, other_optim, model_state, optim_state, OPTIONS[options])
+        self._check_continues(model, optim, other, other_optim, where)
+
+    def test_checkpoint_wrappers_round_trip(self):
+        """Checkpoint wrappers inside wrapped blocks, or put around every linear after
+        wrapping: model and optimizer state under the unwrapped model's names, and a round
+        trip through DCP continues training (the optimizer state was saved under names with
+        '_checkpoint_wrapped_module.', and set_state_dict found none for the parameters)."""
+        self.run_subtests(
+            {"how": ["inside", "after"], "use_orig_params": [False, True]},
+            self._checkpointed_round_trip,
+        )
+
+    def _checkpointed_round_trip(self, how: str, use_orig_params: bool) -> None:
+        base = _blocks()
+        self.sync_module_states(base)
+        names = [name for name, _ in base.named_parameters()]
+        model = _blocks_checkpointed(base, how, use_orig_params=use_orig_params)
+        optim = adam(model.parameters())
+        train_step(model, optim, make_inputs(0, self.rank))
+        for options in ("full", "sharded"):
+            where = f"{how}, {options}, use_orig_params={use_orig_params}"
+            model_state, optim_state = get_state_dict(model, optim, options=OPTIONS[options])
+            self.assertEqual(list(model_state), list(base.state_dict()), where)
+            self.assertEqual(sorted(optim_state["state"]), sorted(names), where)
+            other = _blocks_checkpointed(_blocks(), how, use_orig_params=use_orig_params)
+            other_optim = adam(other.parameters())
+            load(other, other_optim, model_state, optim_state, OPTIONS[options])
+            self._check_continues(model, optim, other, other_optim, where)
 
     def test_halves_and_sharded_optimizer_state_match_torch(self):
         """Names, types and this rank's values of DCP's state dicts match torch's wrapper."""

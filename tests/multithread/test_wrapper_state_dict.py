@@ -338,10 +338,15 @@ class TestWrapperStateDict(NextToTorchsWrapper):
         full_state, _ = save(model, optim, FULL)
         sharded_state, _ = save(model, optim, SHARDED)
         with FSDP.state_dict_type(model, SHARDED):
-            with self.assertRaisesRegex(ValueError, "SHARDED_STATE_DICT.*got a Tensor"):
+            with self.assertRaisesRegex(ValueError, "SHARDED_STATE_DICT.*got a plain Tensor"):
                 model.load_state_dict(full_state)
-        with self.assertRaisesRegex(ValueError, "FULL_STATE_DICT.*got a ShardedTensor"):
+        with self.assertRaisesRegex(
+            ValueError, "FULL_STATE_DICT.*got a ShardedTensor in 2 shards.*over 2 ranks"
+        ):
             model.load_state_dict(sharded_state)  # FULL_STATE_DICT is the default
+        unsharded = wrap(_blocks(), sharding_strategy=NO_SHARD)
+        with self.assertRaisesRegex(ValueError, "uses NO_SHARD on 2 ranks.*ShardedTensor"):
+            unsharded.load_state_dict(sharded_state)
         with FSDP.state_dict_type(model, LOCAL, LocalStateDictConfig()):
             with self.assertRaisesRegex(RuntimeError, "Missing key.*_flat_param"):
                 model.load_state_dict(full_state)
