@@ -87,14 +87,6 @@ MODELS = {
     "gpt2": (gpt2, GPT2Block, model_loss),
     "llama": (llama, LlamaDecoderLayer, logits_loss),
 }
-# The wrapper's sharded state dict cannot load into a model with tied weights yet.
-TIED_SHARDED_LOAD = pytest.mark.xfail(
-    strict=True,
-    reason="wrapper SHARDED_STATE_DICT load of tied weights (GPT-2's wte/lm_head): "
-    "'Parameter' object has no attribute 'local_shards'",
-)
-
-
 def _scenarios():
     params = []
     for model_name, (factory, block, loss_fn) in MODELS.items():
@@ -111,9 +103,7 @@ def _scenarios():
             spec = scenario.spec
             if spec.feature not in PLAN[spec.api, spec.mesh]:
                 continue
-            case = (model_name, spec.api, spec.feature)
-            marks = (TIED_SHARDED_LOAD,) if case == ("gpt2", "wrapper", "sd-sharded") else ()
-            params.append(pytest.param(scenario, id=scenario.name, marks=marks))
+            params.append(pytest.param(scenario, id=scenario.name))
     return params
 
 
