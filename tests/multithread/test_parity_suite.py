@@ -219,8 +219,7 @@ class TestMinimumBytesAgainstTorch(FSDPTestMultiThread):
 def _readme_example() -> str:
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     section = readme.split("## Checking your own model", 1)[1].split("\n## ", 1)[0]
-    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
-    return code
+    return re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)[0]
 
 
 def test_the_readme_example_runs():
