@@ -485,7 +485,7 @@ def _process_main(
     world_size: int,
     options: SuiteOptions,
     store_path: str,
-    names: list[str],
+    specs: list[ScenarioSpec],
     results: Any,
     bug_name: str | None,
 ) -> None:
@@ -501,7 +501,6 @@ def _process_main(
         world_size=world_size,
         timeout=timedelta(seconds=_SCENARIO_TIMEOUT_S),
     )
-    specs = {spec.name: spec for spec in all_specs()}
     bug: BugFactory | None = None
     if bug_name is not None:
         from .self_test import bug_context
@@ -509,8 +508,7 @@ def _process_main(
         bug = bug_context(bug_name)
     try:
         broken = ""
-        for name in names:
-            spec = specs[name]
+        for spec in specs:
             if broken:
                 result = _crashed(spec, options, broken, 0.0)
             else:
@@ -533,7 +531,7 @@ def _process_main(
                         time.perf_counter() - start,
                         traceback.format_exc(),
                     )
-                    broken = f"not run: scenario {name} left the ranks out of step"
+                    broken = f"not run: scenario {spec.name} left the ranks out of step"
             if rank == 0:
                 results.put(result.to_dict())
     finally:
@@ -563,11 +561,10 @@ def _iter_processes(
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
-        names = [spec.name for spec in runnable]
         with _sigint_ignored():  # by the rank processes as they start
             processes = mp.start_processes(
                 _process_main,
-                args=(world_size, options, store_path, names, results, bug_name),
+                args=(world_size, options, store_path, list(runnable), results, bug_name),
                 nprocs=world_size,
                 join=False,
                 start_method="spawn",

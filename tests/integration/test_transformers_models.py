@@ -87,6 +87,8 @@ MODELS = {
     "gpt2": (gpt2, GPT2Block, model_loss),
     "llama": (llama, LlamaDecoderLayer, logits_loss),
 }
+
+
 def _scenarios():
     params = []
     for model_name, (factory, block, loss_fn) in MODELS.items():
