@@ -148,11 +148,14 @@ class ParamGroup:
 
     # -- unshard / reshard --------------------------------------------------------------
 
-    def unshard(self, *, async_op: bool = False) -> None:
+    def unshard(self, *, async_op: bool = False, after_compute: bool = False) -> None:
         """Start the group's all-gather unless it is unsharded or already gathering.
 
         On CPU the collective completes before this returns unless ``async_op`` is set (see
         [Note: collectives on CPU] in ``streams``); on an accelerator the host never waits.
+        ``after_compute``: called outside the forward's order (an explicit ``unshard()``,
+        summoning full parameters, loading a state dict), when the compute stream may have
+        just written the shards, so the side stream waits for it first (rule 1).
         """
         if self._all_gather is not None or self.is_unsharded:
             return
@@ -162,8 +165,8 @@ class ParamGroup:
         mesh_info = self.post_forward_mesh_info if post_forward else self.mesh_info
         assert mesh_info is not None
         stream = self.comm_ctx.all_gather_stream(self.device)
-        if post_forward:
-            stream.wait_for_compute()  # the post-forward blocks were cloned there
+        if post_forward or after_compute:
+            stream.wait_for_compute()  # rule 1 (the post-forward blocks were cloned there)
         current = self.settings.unshard_async_op
         with stream.issuing(current=current):
             if post_forward:

@@ -103,10 +103,7 @@ class FSDPModule:
                 # Before the first forward there is no root yet: the group gathers on a
                 # context of its own, which the root's lazy init replaces.
                 group.bind(CommContext())
-            group.lazy_init()
-            # Called outside forward: parameters may have just been updated.
-            group.comm_ctx.all_gather_stream(group.device).wait_for_compute()
-            group.unshard(async_op=async_op)
+            group.unshard(async_op=async_op, after_compute=True)
         handle = _GroupUnshardHandle(groups)
         if async_op:
             return handle

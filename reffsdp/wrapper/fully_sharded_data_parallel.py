@@ -109,7 +109,7 @@ class FullyShardedDataParallel(nn.Module):
             process_group=process_group,
         )
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
-        device = setup.compute_device(module, device_id)
+        device = setup.compute_device(module, device_id, process_group, device_mesh)
         mesh_info = setup.mesh_info_for_strategy(strategy, process_group, device_mesh, device)
         self.sharding_strategy = setup.strategy_for_group(strategy, mesh_info)
         if self.sharding_strategy is not strategy:
@@ -497,8 +497,9 @@ class FullyShardedDataParallel(nn.Module):
         return output
 
     def _unshard_now(self) -> None:
+        """Gather and show the full parameters now, outside the forward's order."""
         if self._group is not None:
-            self._group.unshard()
+            self._group.unshard(after_compute=True)
             self._group.wait_for_unshard()
             self._handle.to_unsharded()
 
