@@ -86,9 +86,17 @@ def _describe(value: Any) -> str:
     return name
 
 
-def compute_device(module: nn.Module, device_id: int | torch.device | None) -> torch.device:
+def compute_device(
+    module: nn.Module,
+    device_id: int | torch.device | None,
+    process_group: Any = None,
+    device_mesh: DeviceMesh | None = None,
+) -> torch.device:
     """``device_id``, else the first non-CPU parameter's device, else the current
-    accelerator, else the CPU (torch's wrapper refuses a CPU-only machine; we run there)."""
+    accelerator unless the collectives run on gloo (``device_mesh``'s device type, or the
+    backend of ``process_group``, the default group when ``None``), else the CPU. torch's
+    wrapper refuses a CPU-only machine, and a CPU module on gloo where a GPU is present; we
+    run both on the CPU."""
     if device_id is not None:
         device = torch.device(device_id) if not isinstance(device_id, int) else None
         if device is None or (device.type != "cpu" and device.index is None):
@@ -104,11 +112,21 @@ def compute_device(module: nn.Module, device_id: int | torch.device | None) -> t
     for param in module.parameters():
         if param.device.type not in ("cpu", "meta"):
             return param.device
-    if torch.accelerator.is_available():
+    if torch.accelerator.is_available() and not _collectives_on_cpu(process_group, device_mesh):
         accelerator = torch.accelerator.current_accelerator()
         assert accelerator is not None
         return torch.device(accelerator.type, torch.accelerator.current_device_index())
     return torch.device("cpu")
+
+
+def _collectives_on_cpu(process_group: Any, device_mesh: DeviceMesh | None) -> bool:
+    if device_mesh is not None:
+        return device_mesh.device_type == "cpu"
+    if isinstance(process_group, tuple):  # hybrid: (intra-node, inter-node)
+        process_group = process_group[0]
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        return False  # a stand-in group (rank() and size() only): no backend to ask
+    return dist.is_initialized() and dist.get_backend(process_group) == "gloo"
 
 
 def _mesh_of(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
