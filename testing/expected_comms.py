@@ -71,6 +71,9 @@ class StepShape:
     replicate_size: int = 1
     num_microbatches: int = 1
     sync_every_microbatch: bool = True  # False: gradients reduced in the last one only
+    # The wrapper's NO_SHARD (what FULL_SHARD becomes on one rank): nothing is gathered and
+    # each trainable flat parameter all-reduces its gradient over the shard group.
+    no_shard: bool = False
 
 
 def _ring_bytes(nbytes: int | Fraction, group_size: int) -> Fraction:
@@ -103,6 +106,9 @@ def expected_per_step(
         if s > 1:
             counts[REDUCE_SCATTER] += reduces
             nbytes += reduces * _ring_bytes(reduce, s)
+        elif shape.no_shard:
+            counts[ALL_REDUCE] += reduces
+            nbytes += reduces * 2 * _ring_bytes(reduce, s)
         if r > 1:
             counts[ALL_REDUCE] += reduces
             nbytes += reduces * 2 * _ring_bytes(Fraction(reduce, s), r)
@@ -280,6 +286,9 @@ def expected_counts(
         units = wrapper_units(
             modules, shard_size, reshard_after_forward=reshard, use_orig_params=False
         )
-    shape = StepShape(shard_size, replicate_size, num_microbatches, sync_every_microbatch)
+    no_shard = api == "wrapper" and shard_size == 1 and replicate_size == 1
+    shape = StepShape(
+        shard_size, replicate_size, num_microbatches, sync_every_microbatch, no_shard=no_shard
+    )
     counts, _ = expected_per_step(units, shape)
     return counts

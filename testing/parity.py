@@ -207,7 +207,9 @@ def check_train_parity(
 
     diffs = ParityDiffs()
 
-    def check_params(when: str, reductions: int, hint: str = "") -> None:
+    def check_params(when: str, reductions: int, hint: str = "") -> float:
+        """Compare the weights (or gradients); returns the largest weight difference seen
+        on any rank so far."""
         problems = _param_problems(
             ref_model,
             sharded_model,
@@ -217,14 +219,15 @@ def check_train_parity(
             reductions=reductions,
             diffs=diffs,
         )
-        _agree_and_report(test_case, f"check_train_parity, {when}", problems, hint)
+        drift = diffs.max_param_diff or 0.0
+        return _agree_and_report(test_case, f"check_train_parity, {when}", problems, hint, drift)
 
     ddp_no_sync = (lambda _: ddp_model.no_sync()) if no_sync is not None else None
     rank = dist.get_rank()
     step_losses = []
     try:
         weights_hint = preflight.WEIGHTS_HINT.format(ranks=other_weights) if other_weights else ""
-        check_params("before training", 0, weights_hint)
+        drift = check_params("before training", 0, weights_hint)
         for step in range(num_steps):
             first = step * num_microbatches
             inputs = [make_inputs(i, rank) for i in range(first, first + num_microbatches)]
@@ -234,7 +237,10 @@ def check_train_parity(
             tally = CommTally()
             with _counting(tally, expected_counts):
                 losses = _forward_backward(sharded_model, inputs, loss_fn, no_sync)
-            loss_problems = _loss_problems(losses, ref_losses, tolerances, max(step, 1), diffs)
+            slack = 2 * drift * _grad_l1(ref_model)  # point 5 of [Note: default tolerances]
+            loss_problems = _loss_problems(
+                losses, ref_losses, tolerances, max(step, 1), diffs, slack
+            )
             _agree_and_report(
                 test_case,
                 f"check_train_parity, step {step} losses",
@@ -253,7 +259,7 @@ def check_train_parity(
                     f"check_train_parity, step {step} collectives",
                     _count_problems(tally, expected_counts),
                 )
-            check_params(f"step {step} after the optimizer step", step + 1)
+            drift = check_params(f"step {step} after the optimizer step", step + 1)
             step_losses.append(sum(_full(loss).item() for loss in losses))
     except AssertionError as error:
         error.parity = diffs  # type: ignore[attr-defined]
@@ -590,6 +596,7 @@ class _Comparison:
     tolerances: Tolerances
     reductions: int = 1
     diffs: ParityDiffs | None = None
+    slack: float = 0.0  # added to a default atol (point 5 of [Note: default tolerances])
 
     def __call__(
         self,
@@ -604,7 +611,7 @@ class _Comparison:
         largest difference is recorded in ``diffs`` as ``kind`` ("loss", "grad", "param").
         """
         return _mismatch(
-            actual, expected, self.tolerances, scale, self.reductions, self.diffs, kind
+            actual, expected, self.tolerances, scale, self.reductions, self.diffs, kind, self.slack
         )
 
 
@@ -616,13 +623,18 @@ def _mismatch(
     reductions: int = 1,
     diffs: ParityDiffs | None = None,
     kind: str = "param",
+    slack: float = 0.0,
 ) -> str | None:
-    """How ``actual`` differs from ``expected``, or ``None`` when they are close."""
+    """How ``actual`` differs from ``expected``, or ``None`` when they are close; ``slack``
+    widens the default ``atol`` (not one the caller gave)."""
     if actual.shape != expected.shape:
         return f"shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
     if actual.dtype != expected.dtype:
         return f"dtype {actual.dtype}, expected {expected.dtype}"
+    actual = actual.to(expected.device)  # offloaded shards live on the CPU
     rtol, atol = tolerances.for_comparison(expected, scale, reductions)
+    if tolerances.given(expected.dtype) is None:
+        atol += slack
     if diffs is not None:
         diffs.observe(kind, actual, expected, rtol, atol)
     if torch.allclose(actual, expected, rtol=rtol, atol=atol, equal_nan=True):
@@ -631,14 +643,22 @@ def _mismatch(
     return f"max abs diff {max_diff:.3g} (rtol={rtol:g}, atol={atol:g})"
 
 
+def _grad_l1(model: nn.Module) -> float:
+    """``sum |g|`` over ``model``'s gradients: how far, to first order, its loss moves per
+    unit of weight difference."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return sum(_full(g).detach().double().abs().sum().item() for g in grads)
+
+
 def _loss_problems(
     losses: list[torch.Tensor],
     ref_losses: list[torch.Tensor],
     tolerances: Tolerances,
     reductions: int,
     diffs: ParityDiffs,
+    slack: float = 0.0,
 ) -> list[str]:
-    compare = _Comparison(tolerances, reductions, diffs)
+    compare = _Comparison(tolerances, reductions, diffs, slack)
     problems = []
     for microbatch, (loss, ref_loss) in enumerate(zip(losses, ref_losses)):
         mismatch = compare(_full(loss), _full(ref_loss), "loss")
@@ -679,21 +699,28 @@ def _call(model: nn.Module, inputs: Any) -> Any:
 
 
 def _agree_and_report(
-    test_case: unittest.TestCase | None, stage: str, problems: list[str], hint: str = ""
-) -> None:
+    test_case: unittest.TestCase | None,
+    stage: str,
+    problems: list[str],
+    hint: str = "",
+    share: float = 0.0,
+) -> float:
     """Fail on every rank if any rank has problems; see [Note: ranks agree on the verdict].
 
     ``stage`` names the check (``"check_train_parity, step 0 after backward"``) and starts
     the failure message on every rank; ``hint``, when given, ends it on every rank (what
-    the failure likely means and how to fix it).
+    the failure likely means and how to fix it). Returns the largest ``share`` of any rank,
+    agreed in the same all-reduce as the verdict.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    failed = torch.zeros(world_size, device=_flag_device())
-    failed[rank] = float(bool(problems))
-    dist.all_reduce(failed)
-    failed_ranks = failed.nonzero().flatten().tolist()
+    # [failed flag of each rank | share of each rank]: each rank fills its own two slots
+    agreed = torch.zeros(2 * world_size, dtype=torch.float64, device=_flag_device())
+    agreed[rank] = float(bool(problems))
+    agreed[world_size + rank] = share
+    dist.all_reduce(agreed)
+    failed_ranks = agreed[:world_size].nonzero().flatten().tolist()
     if not failed_ranks:
-        return
+        return agreed[world_size:].max().item()
     if problems:
         shown = problems[:_MAX_REPORTED_PROBLEMS]
         if len(problems) > len(shown):

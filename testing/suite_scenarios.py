@@ -193,8 +193,6 @@ class ScenarioSpec:
 
     def fits(self, world_size: int) -> str:
         """Why ``world_size`` ranks cannot hold this scenario's mesh ("" if they can)."""
-        if self.mesh == "1d" and world_size < 2:
-            return "needs at least 2 ranks"
         if self.mesh in ("hsdp", "2d") and (world_size < 4 or world_size % 2):
             return f"the {self.mesh} mesh needs an even number of ranks, at least 4"
         if self.mesh == "3d" and (world_size < 8 or world_size % 4):
@@ -257,8 +255,8 @@ def _make_mesh(mesh: str, device_type: str, api: str) -> _Mesh:
 
     world_size = dist.get_world_size()
     if mesh == "1d":
-        if api == "wrapper":
-            return _Mesh(None, None, world_size, 1, {})
+        if api == "wrapper":  # the device as torch's users name it: CPU modules stay there
+            return _Mesh(None, None, world_size, 1, {"device_id": torch.device(device_type)})
         return _Mesh(mesh_1d(device_type), None, world_size, 1, {})
     if mesh == "hsdp":
         hsdp = mesh_hsdp(2, world_size // 2, device_type)
@@ -507,6 +505,8 @@ def build_scenario(spec: ScenarioSpec, device: torch.device, *, seed: int = 0) -
         replicate_size=mesh.replicate_size,
         num_microbatches=microbatches,
         sync_every_microbatch=spec.feature != "accum",
+        # on one rank the wrapper runs FULL_SHARD as NO_SHARD, as torch's does
+        no_shard=spec.api == "wrapper" and mesh.shard_size == 1 and mesh.replicate_size == 1,
     )
     return BuiltScenario(
         ref_model=ref_model,

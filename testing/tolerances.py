@@ -42,7 +42,20 @@ them; it is not a fixed number that a larger world or a larger loss outgrows.
    ``7.6e-5`` of the largest magnitude then, still far below a wrong divide factor); a run
    whose differences keep growing past it needs a tolerance of its own.
 
-So the default is ``2 ** min(k, 6) * n * eps * max |expected|``.
+5. A loss compares two forwards from weights that already differ, by no more than the
+   weight checks accepted. To first order the loss then moves by ``sum_i g_i dw_i``, at most
+   ``||g||_1 * max |dw|``, which its own magnitude does not bound: a loss that sums large
+   terms that cancel (a plain sum of outputs going from 60 at step 0 to -0.94 at step 1, on
+   a tied-weight MLP over HSDP) differs by ``4e-6`` where point 4 allows ``2.2e-6``, while
+   its weights differ by ``1.5e-8`` and ``||g||_1`` is 1300. So a loss may also differ by
+   ``2 * ||g_ref||_1 * max |dw|``: ``g_ref`` is the reference's gradient of that step
+   (averaged over the ranks by DDP; the factor 2 covers a rank's own gradient being larger
+   than the average) and ``max |dw|`` the largest weight difference any rank has seen so
+   far. It grows only with differences the checks have already accepted, and is zero at
+   step 0, where both models start from the same weights.
+
+So the default is ``2 ** min(k, 6) * n * eps * max |expected|``, plus point 5's allowance
+for a loss.
 
 Worked example: W = 4 ranks, fp32, one microbatch, HSDP over 2 replicas of 2-rank shard
 groups. DDP sums a gradient element of the four ranks as ``((g1 + g2) + g3) + g4``

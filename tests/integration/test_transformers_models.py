@@ -31,6 +31,7 @@ from reffsdp.testing import (  # noqa: E402
     expected_counts,
     parity_scenarios,
 )
+from reffsdp.testing.common import device_type_under_test  # noqa: E402
 
 pytest_plugins = ["reffsdp.testing.pytest_plugin"]
 pytestmark = pytest.mark.multithread
@@ -111,8 +112,9 @@ def _scenarios():
 
 @pytest.mark.parametrize("scenario", _scenarios())
 def test_every_feature_passes_at_the_default_tolerances(scenario):
-    """Each scenario checks losses, gradients, parameters, collective counts and bytes."""
-    result = scenario.run_threaded()
+    """Each scenario checks losses, gradients, parameters, collective counts and bytes (on
+    the GPU with ``--device cuda``)."""
+    result = scenario.run_threaded(device_type_under_test())
     assert result.status == "passed", result.message
     assert result.counts == result.expected_counts
 
