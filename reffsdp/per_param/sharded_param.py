@@ -187,17 +187,17 @@ class ShardedParam(GroupMember):
             self._dtensor_specs[local.dtype] = spec
         return DTensor(local, spec, requires_grad=False)
 
-    def reset_sharded_param(self) -> None:
+    def reset_sharded_param(self, *, loading: bool = False) -> None:
         """Re-read the registered parameter and re-pad its local tensor if it changed.
 
         Runs at lazy init, after ``.to(dtype)``/``to_empty`` and after
-        ``load_state_dict(assign=True)``. The registered parameter may be a new one (see
-        [Note: replaced parameters]); and ``nn.Module._apply`` swaps each DTensor's local
-        tensor for a converted copy that no longer views ``padded_shard``. Either way, copy
-        the local tensor into a padded buffer of its dtype and device so all-gathers and
+        ``load_state_dict(assign=True)`` (``loading``). The registered parameter may be a new
+        one (see [Note: replaced parameters]); and ``nn.Module._apply`` swaps each DTensor's
+        local tensor for a converted copy that no longer views ``padded_shard``. Either way,
+        copy the local tensor into a padded buffer of its dtype and device so all-gathers and
         the optimizer keep sharing storage.
         """
-        self._adopt_replacement()
+        self._adopt_replacement(loading)
         local = _local_tensor(self.sharded_param)
         if local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr():
             if local.dtype == self.padded_shard.dtype and local.device == self.padded_shard.device:
@@ -226,33 +226,65 @@ class ShardedParam(GroupMember):
     # registers new DTensors the same way, at any time, and its post-hook adopts them. After
     # lazy init a plain replacement would be silently ignored (FSDP keeps gathering the old
     # shards, which the optimizer may hold), so ``check_registered`` refuses it instead.
+    #
+    # A tied parameter (one tensor under several names, e.g. an output layer reusing the
+    # embedding table) is one sharded parameter, so its names must keep one tensor:
+    # 1. The new tensors under its names may be several objects (``load_state_dict(assign=
+    #    True)`` registers one per state-dict key) if they hold the same values: the first,
+    #    in the order of the names, is adopted and every name is tied to it again.
+    # 2. Outside a load, every name must be replaced: replacing some names only would untie
+    #    them, which one sharded parameter cannot do. A load may leave some names as they were,
+    #    since a state dict may hold a tied tensor once, and a grouped call's load hooks
+    #    run as each of its modules finishes loading.
+    # 3. A name may not be removed.
 
-    def _adopt_replacement(self) -> None:
+    def _adopt_replacement(self, loading: bool) -> None:
         """Take over a parameter registered in place of ours (see [Note: replaced parameters])."""
         # ``_parameters``, not getattr: only a registered parameter counts, not a plain
         # attribute or property of the same name.
         registered = [ref.module._parameters.get(ref.name) for ref in self.refs]
         if all(p is self.sharded_param for p in registered):
             return
-        new = registered[0]
-        if new is None or any(p is not new for p in registered):
-            names = ", ".join(repr(ref.name) for ref in self.refs)
+        kept = any(p is self.sharded_param for p in registered)
+        if any(p is None for p in registered) or (kept and not loading):  # rules 3 and 2
             raise ValueError(
-                f"{self.description} is registered under several names ({names}) and some "
-                "were replaced or removed; replace all of them with the same parameter"
+                f"{self.description} is registered under several names ({self._ref_names()}) "
+                "and some were replaced or removed; replace all of them with the same parameter"
             )
-        if isinstance(new, DTensor):
-            if new.placements != self.sharded_param.placements or new.size() != self.global_size:
-                raise ValueError(
-                    f"{self.description} was replaced by a DTensor of size "
-                    f"{tuple(new.size())} with placements {new.placements}; fully_shard needs "
-                    f"size {tuple(self.global_size)} and placements {self.spec_placements}"
-                )
-        else:
-            new = self._shard_replacement(new)
-        self.sharded_param = new
+        replacements = {id(p): p for p in registered if p is not self.sharded_param}
+        new = [self._as_sharded(p) for p in replacements.values()]
+        self._check_same_values(new)  # rule 1
+        self.sharded_param = new[0]
         for ref in self.refs:
-            ref.set(new)
+            ref.set(new[0])
+
+    def _ref_names(self) -> str:
+        return ", ".join(f"{ref.name!r} of {type(ref.module).__name__}" for ref in self.refs)
+
+    def _as_sharded(self, new: nn.Parameter) -> nn.Parameter:
+        """A replacement as our sharded parameter: a DTensor checked, a plain tensor cut."""
+        if not isinstance(new, DTensor):
+            return self._shard_replacement(new)
+        if new.placements != self.sharded_param.placements or new.size() != self.global_size:
+            raise ValueError(
+                f"{self.description} was replaced by a DTensor of size "
+                f"{tuple(new.size())} with placements {new.placements}; fully_shard needs "
+                f"size {tuple(self.global_size)} and placements {self.spec_placements}"
+            )
+        return new
+
+    def _check_same_values(self, new: list[nn.Parameter]) -> None:
+        """Refuse tensors that a tied parameter's names would hold with different values."""
+        locals_ = [_local_tensor(p) for p in new]
+        if any(t.device.type == "meta" for t in locals_):
+            return
+        if any(not torch.equal(t.to(locals_[0].device), locals_[0]) for t in locals_[1:]):
+            raise ValueError(
+                f"{self.description} is one parameter registered under several names "
+                f"({self._ref_names()}), which were given tensors with different values; "
+                "fully_shard shards it as one tensor, so give every name the same values "
+                "(or untie the names before fully_shard)"
+            )
 
     def _shard_replacement(self, param: nn.Parameter) -> nn.Parameter:
         """This rank's rows of a plain (full) replacement, as a sharded parameter."""

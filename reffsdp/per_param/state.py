@@ -309,7 +309,7 @@ class FSDPState:
         # [Note: replaced parameters] in reffsdp/per_param/sharded_param.py).
         if self.group is not None:
             for param in self.group.members:
-                param.reset_sharded_param()
+                param.reset_sharded_param(loading=True)
 
     # -- backward hooks -----------------------------------------------------------------
 

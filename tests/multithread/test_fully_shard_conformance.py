@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from reffsdp import fully_shard
 from reffsdp.core.comms import Collective
 from reffsdp.testing.comm_counter import CommCounter
+from reffsdp.testing.models import ModelArgs, Transformer
 from reffsdp.testing.multithread import FSDPTestMultiThread
 
 pytestmark = pytest.mark.multithread
@@ -199,3 +200,50 @@ class TestReplacedParamsLikeTorch(FSDPTestMultiThread):
         ref_out.sum().backward()
         for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(param.grad.to_local(), ref_param.grad.to_local(), msg=name)
+
+    def test_assign_load_of_tied_weights_matches_torch(self):
+        self.run_subtests({"grouped": [False, True]}, self._check_assign_load_of_tied_weights)
+
+    def _check_assign_load_of_tied_weights(self, grouped: bool):
+        """``load_state_dict(assign=True)`` into a meta-device model whose output layer reuses
+        the embedding table (one new parameter per name), then training, as torch does."""
+        args = ModelArgs(weight_tying=True)
+        source = Transformer(args)
+        self.sync_module_states(source)
+        full = source.state_dict()
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        models = []
+        for shard in (fully_shard, torch_fully_shard):
+            with torch.device("meta"):
+                model = Transformer(args)
+            if grouped:
+                shard([model.tok_embeddings, model.output], mesh=mesh)
+            for layer in model.layers:
+                shard(layer, mesh=mesh)
+            shard(model, mesh=mesh)
+            sharded = {
+                name: nn.Parameter(
+                    distribute_tensor(full[name], mesh, value.placements, src_data_rank=None)
+                )
+                for name, value in model.state_dict().items()
+            }
+            model.load_state_dict(sharded, assign=True)
+            models.append(model)
+        model, ref = models
+        optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        for step in range(3):
+            tokens = torch.randint(
+                0,
+                args.vocab_size,
+                (2, 8),
+                generator=torch.Generator().manual_seed(10 * step + self.rank),
+            )
+            losses = [m(tokens).sum() for m in models]
+            torch.testing.assert_close(losses[0], losses[1])
+            for loss, optim in zip(losses, optims):
+                loss.backward()
+                optim.step()
+                optim.zero_grad()
+        self.assertIs(model.output.weight, model.tok_embeddings.weight)
+        for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(param.to_local(), ref_param.to_local(), msg=name)

@@ -11,9 +11,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from reffsdp import fully_shard
 from reffsdp.testing.build import reference_and_model, shard_bottom_up
-from reffsdp.testing.inputs import random_inputs
-from reffsdp.testing.models import MLP, MLPStack, init_deterministic
+from reffsdp.testing.inputs import random_inputs, random_tokens
+from reffsdp.testing.models import (
+    MLP,
+    MLPStack,
+    ModelArgs,
+    Transformer,
+    init_deterministic,
+)
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import check_state_dict_parity, check_train_parity
 
@@ -112,6 +119,37 @@ class TestFullyShardStateDict(StateDictChecks, FSDPTestMultiThread):
         self.run_subtests({"meta_init": [True, False]}, self.check_load_state_dict_of_shards)
 
     @pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete support")
+    def test_assign_load_into_tied_meta_model(self):
+        self.run_subtests({"grouped": [False, True]}, self._test_assign_load_into_tied_meta_model)
+
+    def _test_assign_load_into_tied_meta_model(self, grouped: bool):
+        """A meta-device model whose output layer reuses the embedding table gets its weights
+        from ``load_state_dict(assign=True)``, which registers a parameter of its own under
+        each of the two names; the tie must hold again, and the model train as unsharded."""
+        args = ModelArgs(weight_tying=True)
+        ref_model, _ = reference_and_model(Transformer(args))
+        with torch.device("meta"):
+            model = Transformer(args)
+        if grouped:  # the tie spans the two modules of one call: two load hooks see it
+            fully_shard([model.tok_embeddings, model.output])
+        shard_bottom_up(model, model.layers)
+        full = ref_model.state_dict()
+        sharded = {
+            name: nn.Parameter(
+                distribute_tensor(
+                    full[name], value.device_mesh, value.placements, src_data_rank=None
+                )
+            )
+            for name, value in model.state_dict().items()
+        }
+        self.assertIsNot(sharded["output.weight"], sharded["tok_embeddings.weight"])
+        model.load_state_dict(sharded, assign=True)
+        self.assertIs(model.output.weight, model.tok_embeddings.weight)
+        check_train_parity(
+            self, ref_model, model, random_tokens(args.vocab_size, 2, 8), num_steps=3
+        )
+        self.assertIs(model.output.weight, model.tok_embeddings.weight)
+
     def test_meta_device_init_then_reset_parameters(self):
         with torch.device("meta"):
             model = _buffered_stack(5)

@@ -209,6 +209,72 @@ def test_load_state_dict_assign_after_first_forward_is_not_a_replacement(mesh):
     net(torch.randn(2, 4))
 
 
+class Tied(nn.Module):
+    """An embedding and an output layer sharing one weight, as in a language model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(6, 4)
+        self.out = nn.Linear(4, 6, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(tokens))
+
+
+def _as_dtensors(values: dict[str, torch.Tensor], mesh) -> dict[str, nn.Parameter]:
+    return {k: nn.Parameter(DTensor.from_local(v, mesh, [Shard(0)])) for k, v in values.items()}
+
+
+def test_tied_param_loaded_with_assign_is_tied_again_as_torch(mesh1):
+    weight = torch.randn(6, 4)
+    models = [fully_shard(Tied(), mesh=mesh1), torch_fully_shard(Tied(), mesh=mesh1)]
+    for model in models:
+        values = {"emb.weight": weight.clone(), "out.weight": weight.clone()}
+        model.load_state_dict(_as_dtensors(values, mesh1), assign=True)
+        model(torch.tensor([0, 5])).sum().backward()
+        assert model.out.weight is model.emb.weight
+    ours, ref = models
+    torch.testing.assert_close(ours.emb.weight.to_local(), weight)
+    torch.testing.assert_close(ours.emb.weight.grad.to_local(), ref.emb.weight.grad.to_local())
+
+
+def test_tied_param_loaded_once_with_assign_ties_the_other_name(mesh1):
+    """A state dict may hold a tied tensor under one of its names only."""
+    weight = torch.randn(6, 4)
+    for loaded in ("emb.weight", "out.weight"):
+        model = fully_shard(Tied(), mesh=mesh1)
+        model.load_state_dict(
+            _as_dtensors({loaded: weight.clone()}, mesh1), strict=False, assign=True
+        )
+        assert model.out.weight is model.emb.weight
+        torch.testing.assert_close(model.emb.weight.to_local(), weight)
+        model(torch.tensor([0, 5])).sum().backward()
+
+
+def test_tied_param_loaded_with_different_values_is_refused(mesh1):
+    """torch keeps the first name's tensor and drops the other's values silently."""
+    model = fully_shard(Tied(), mesh=mesh1)
+    values = {"emb.weight": torch.randn(6, 4), "out.weight": torch.randn(6, 4)}
+    message = raises_stating(
+        ValueError,
+        ("emb.weight", "'weight' of Embedding", "'weight' of Linear", "different values"),
+        lambda: model.load_state_dict(_as_dtensors(values, mesh1), assign=True),
+    )
+    assert_no_module_repr(message)
+
+
+def test_tied_param_replaced_under_one_name_only_is_refused(mesh1):
+    """Outside a load, a new tensor under one name would untie what FSDP shards as one."""
+    model = fully_shard(Tied(), mesh=mesh1)
+    model.out.weight = nn.Parameter(torch.randn(6, 4))
+    raises_stating(
+        ValueError,
+        ("emb.weight", "'weight' of Embedding", "'weight' of Linear", "replace all of them"),
+        lambda: model(torch.tensor([0, 5])),
+    )
+
+
 # -- e. casting inside dataclasses ---------------------------------------------------------
 
 
