@@ -33,9 +33,9 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
             )
         return MeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
     raise ValueError(
-        f"fully_shard expects a 1D or 2D DeviceMesh (FSDP or HSDP), got a {mesh.ndim}D mesh of "
-        f"shape {tuple(mesh.shape)}; for more dims, name the data-parallel ones with "
-        "dp_mesh_dims"
+        f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}, a {mesh.ndim}D mesh of shape "
+        f"{tuple(mesh.shape)}: 1D shards (FSDP), 2D replicates and shards (HSDP); for more "
+        "dims, name the data-parallel ones with dp_mesh_dims"
     )
 
 

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -458,14 +459,29 @@ def test_set_requires_gradient_sync_no_is_refused_not_taken_as_true(mesh):
 
 
 # -- g. the facts in error messages --------------------------------------------------------
+#
+# Where torch raises, reffsdp raises the same type with the phrase torch's own tests match
+# (test_fully_shard_init.py), and states its own facts besides.
+
+
+def raises_as_torch(exc: type[Exception], phrase: str, torch_call, call, facts=()) -> str:
+    """torch's call and ours raise ``exc`` matching ``phrase``; ours also states ``facts``."""
+    with pytest.raises(exc, match=phrase):
+        torch_call()
+    message = raises_stating(exc, facts, call)
+    assert re.search(phrase, message), message
+    return message
 
 
 def test_mesh_ndim_error_states_1d_or_2d(mesh):
     mesh_3d = init_device_mesh("cpu", (1, 2, 2))
-    with pytest.raises(ValueError) as info:
-        fully_shard(nn.Linear(4, 4), mesh=mesh_3d)
-    message = str(info.value)
-    assert "1D or 2D" in message and "3D" in message and "(1, 2, 2)" in message, message
+    raises_as_torch(
+        ValueError,
+        r"fully\_shard expects a 1D or 2D DeviceMesh but got DeviceMesh",
+        lambda: torch_fully_shard(nn.Linear(4, 4), mesh=mesh_3d),
+        lambda: fully_shard(nn.Linear(4, 4), mesh=mesh_3d),
+        ("3D", "(1, 2, 2)", "dp_mesh_dims"),
+    )
 
 
 def test_2d_mesh_without_names_mentions_mesh_dim_names(mesh):
