@@ -28,8 +28,9 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
     if mesh.ndim == 2:
         if mesh.mesh_dim_names is None:
             raise AssertionError(
-                "a 2D mesh for HSDP needs mesh_dim_names, e.g. "
-                "init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
+                "Please init the 2D mesh for HSDP with mesh_dim_names specified, e.g. "
+                "init_device_mesh(..., mesh_dim_names=('replicate', 'shard')); the mesh "
+                f"given, {mesh}, has none"
             )
         return MeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
     raise ValueError(

@@ -486,10 +486,13 @@ def test_mesh_ndim_error_states_1d_or_2d(mesh):
 
 def test_2d_mesh_without_names_mentions_mesh_dim_names(mesh):
     mesh_2d = init_device_mesh("cpu", (2, 2))
-    with pytest.raises(AssertionError, match="mesh_dim_names"):
-        torch_fully_shard(nn.Linear(4, 4), mesh=mesh_2d)
-    with pytest.raises(AssertionError, match="mesh_dim_names"):
-        fully_shard(nn.Linear(4, 4), mesh=mesh_2d)
+    raises_as_torch(
+        AssertionError,
+        "Please init the 2D mesh for HSDP with mesh_dim_names specified",
+        lambda: torch_fully_shard(nn.Linear(4, 4), mesh=mesh_2d),
+        lambda: fully_shard(nn.Linear(4, 4), mesh=mesh_2d),
+        ("mesh_dim_names=('replicate', 'shard')", "DeviceMesh((2, 2)"),
+    )
 
 
 def test_meta_params_error_states_meta_device_fqns_and_fix(mesh):
