@@ -114,7 +114,7 @@ class ShardedParam(GroupMember):
         # until the root's lazy init sets its name under the root (``root_fqn``).
         self.name = name if name is not None else refs[0].name
         self.root_fqn: str | None = None
-        _check_shardable(param, shard_dim, mesh_info.shard_size, self.description)
+        _check_shardable(param, shard_dim, mesh_info.shard_size, self.fqn, self.description)
         # Identity of the original parameter, to catch one tensor sharded by two groups.
         self.orig_param_uid = _original_uid(param)
         self.mesh_info = mesh_info
@@ -566,16 +566,19 @@ class ShardedParam(GroupMember):
         self.unsharded_accumulated_grad = None
 
 
-def _check_shardable(param: torch.Tensor, shard_dim: int, shard_size: int, name: str) -> None:
+def _check_shardable(
+    param: torch.Tensor, shard_dim: int, shard_size: int, fqn: str, name: str
+) -> None:
     """Refuse, with the facts a user needs, a parameter ``fully_shard`` cannot shard.
 
-    ``shard_dim`` is already normalized (``0 <= shard_dim < param.dim()``) by the caller.
+    ``shard_dim`` is already normalized (``0 <= shard_dim < param.dim()``) by the caller;
+    ``name`` is the parameter's :attr:`ShardedParam.description`.
     """
     if param.dim() == 0:
         raise ValueError(
-            f"fully_shard does not support scalar (0-dim) parameters, and {name} is one. "
-            "Make it a 1D tensor with numel 1 instead, e.g. nn.Parameter(value.reshape(1)); "
-            "it broadcasts like the scalar did."
+            f"fully_shard doesn't support scalar parameters, and {name} is a scalar (0-dim) "
+            f"parameter. Change {fqn} to a 1D tensor with numel equal to 1. For example "
+            "nn.Parameter(value.reshape(1)) broadcasts as the scalar did."
         )
     if not param.is_contiguous():
         raise NotImplementedError(

@@ -533,13 +533,23 @@ def test_non_contiguous_error_states_shape_stride_and_param(mesh):
 
 
 def test_scalar_param_error_names_param_and_fix(mesh):
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.register_parameter("scalar_p", nn.Parameter(torch.tensor(1.0)))
+    raises_as_torch(
+        ValueError,
+        "Change scalar_p to a 1D tensor with numel equal to 1.",
+        lambda: torch_fully_shard(copy.deepcopy(model), mesh=mesh),
+        lambda: fully_shard(model, mesh=mesh),
+        ("scalar", "'scalar_p' (Sequential)", "reshape(1)"),
+    )
+
+
+def test_scalar_param_of_a_submodule_is_named_by_its_path(mesh):
     model = nn.Sequential(nn.Linear(4, 4), nn.Module())
     model[1].scale = nn.Parameter(torch.tensor(1.0))
-    with pytest.raises(ValueError, match="scalar"):
-        torch_fully_shard(copy.deepcopy(model), mesh=mesh)
     message = raises_stating(
         ValueError,
-        ("scalar", "1.scale", "1D tensor", "numel 1"),
+        ("scalar", "Change 1.scale to a 1D tensor with numel equal to 1."),
         lambda: fully_shard(model, mesh=mesh),
     )
     assert_no_module_repr(message)
