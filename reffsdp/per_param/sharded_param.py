@@ -582,7 +582,7 @@ def _check_shardable(
         )
     if not param.is_contiguous():
         raise NotImplementedError(
-            f"fully_shard does not support non-contiguous parameters: {name} has size "
+            f"FSDP does not support non-contiguous parameters yet: {name} has size "
             f"{tuple(param.size())} and stride {param.stride()}. Register a contiguous copy "
             "before calling fully_shard, e.g. module.weight = nn.Parameter(weight.contiguous())."
         )

@@ -523,12 +523,23 @@ def test_uneven_sharding_error_states_dim_size_world_size_and_param(mesh):
 def test_non_contiguous_error_states_shape_stride_and_param(mesh):
     module = nn.Module()
     module.weight = nn.Parameter(torch.randn(4, 3).t())
-    with pytest.raises(NotImplementedError, match="non-contiguous"):
-        torch_fully_shard(copy.deepcopy(module), mesh=mesh)
-    raises_stating(
+    raises_as_torch(
         NotImplementedError,
-        ("non-contiguous", "(3, 4)", "(1, 3)", "weight", ".contiguous()"),
+        "FSDP does not support non-contiguous parameters",
+        lambda: torch_fully_shard(copy.deepcopy(module), mesh=mesh),
         lambda: fully_shard(module, mesh=mesh),
+        ("(3, 4)", "(1, 3)", "weight", ".contiguous()"),
+    )
+
+
+def test_channels_last_conv_is_refused_as_non_contiguous(mesh):
+    conv = nn.Conv2d(8, 8, 3).to(memory_format=torch.channels_last)
+    raises_as_torch(
+        NotImplementedError,
+        "FSDP does not support non-contiguous parameters",
+        lambda: torch_fully_shard(copy.deepcopy(conv), mesh=mesh),
+        lambda: fully_shard(conv, mesh=mesh),
+        ("'weight' (Conv2d)", "(8, 8, 3, 3)", "(72, 1, 24, 8)"),
     )
 
 
