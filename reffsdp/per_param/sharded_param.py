@@ -589,7 +589,7 @@ def _check_shardable(
     local = param.to_local() if isinstance(param, DTensor) else param
     if shard_dim > 0 and local.size(shard_dim) % shard_size != 0:
         raise NotImplementedError(
-            f"fully_shard does not support uneven sharding on dim {shard_dim}: {name} has "
+            f"FSDP does not support uneven sharding on dim {shard_dim}: {name} has "
             f"size {tuple(local.size())} and dim {shard_dim} ({local.size(shard_dim)}) does "
             f"not split evenly over world size {shard_size}. Shard it on dim 0 (uneven sizes "
             "are fine there) or on a dim that splits evenly."

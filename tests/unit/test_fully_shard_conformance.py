@@ -510,14 +510,32 @@ def test_meta_params_error_states_meta_device_fqns_and_fix(mesh):
 
 def test_uneven_sharding_error_states_dim_size_world_size_and_param(mesh):
     lin = nn.Linear(6, 8)
-    with pytest.raises(NotImplementedError, match="uneven sharding on dim 1"):
-        torch_fully_shard(copy.deepcopy(lin), mesh=mesh, shard_placement_fn=lambda p: Shard(-1))
-    message = raises_stating(
+    message = raises_as_torch(
         NotImplementedError,
-        ("uneven sharding on dim 1", "(8, 6)", "world size 4", "weight", "Linear"),
+        "FSDP does not support uneven sharding on dim 1",
+        lambda: torch_fully_shard(
+            copy.deepcopy(lin), mesh=mesh, shard_placement_fn=lambda p: Shard(-1)
+        ),
         lambda: fully_shard(lin, mesh=mesh, shard_placement_fn=lambda p: Shard(-1)),
+        ("(8, 6)", "world size 4", "weight", "Linear"),
     )
     assert_no_module_repr(message)
+
+
+def test_largest_dim_placement_uneven_on_dim_1_is_refused_as_torch(mesh):
+    """Sharding each parameter on its largest dim: ``1.weight`` (8 x 17) on 17 columns."""
+
+    def largest_dim(param: nn.Parameter) -> Shard:
+        return Shard(max(range(param.dim()), key=lambda dim: param.size(dim)))
+
+    model = nn.Sequential(nn.Linear(16, 17), nn.Linear(17, 8))
+    raises_as_torch(
+        NotImplementedError,
+        "FSDP does not support uneven sharding on dim 1",
+        lambda: torch_fully_shard(copy.deepcopy(model), mesh=mesh, shard_placement_fn=largest_dim),
+        lambda: fully_shard(model, mesh=mesh, shard_placement_fn=largest_dim),
+        ("'1.weight' (Linear)", "(8, 17)", "world size 4"),
+    )
 
 
 def test_non_contiguous_error_states_shape_stride_and_param(mesh):
