@@ -134,9 +134,10 @@ class ParamGroup:
         meta = [m.fqn for m in self.members if not m.is_materialized]
         if meta:
             raise RuntimeError(
-                f"{self.name}: parameters are still on the meta device at the first "
-                f"forward: {meta}. Materialize them first, e.g. module.to_empty(device=...) "
-                "followed by reset_parameters()."
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {meta} ({self.name}, at its "
+                "first forward). Materialize them first, e.g. module.to_empty(device=...) "
+                "followed by reset_parameters() on each module."
             )
         orig_dtypes = {m.orig_dtype for m in self.members if m.requires_grad}
         if len(orig_dtypes) > 1:

@@ -32,6 +32,7 @@ from reffsdp import (
     fully_shard,
 )
 from reffsdp.testing.fake_pg import fake_process_group
+from reffsdp.testing.models import MLP
 
 from .conftest import Net
 
@@ -495,16 +496,24 @@ def test_2d_mesh_without_names_mentions_mesh_dim_names(mesh):
     )
 
 
-def test_meta_params_error_states_meta_device_fqns_and_fix(mesh):
+def _meta_mlps(shard, mesh) -> nn.Sequential:
     with torch.device("meta"):
-        net = Net()
-    for block in net.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(net, mesh=mesh)
-    raises_stating(
+        model = nn.Sequential(MLP(8, with_buffer=True), MLP(8))
+    for module in (model[0], model[1], model):
+        shard(module, mesh=mesh)
+    return model
+
+
+def test_meta_params_error_states_meta_device_fqns_and_fix(mesh):
+    """The first group to initialize lists all its parameters still on the meta device."""
+    raises_as_torch(
         RuntimeError,
-        ("meta device", "proj.weight", "to_empty", "reset_parameters"),
-        lambda: net(torch.randn(2, 4)),
+        "FSDP parameters should be materialized from meta device before training, "
+        "but the following were still on meta device: "
+        r"\['0.in_proj.weight', '0.in_proj.bias', '0.out_proj.weight', '0.out_proj.bias'\]",
+        lambda: _meta_mlps(torch_fully_shard, mesh)(torch.randn(4, 8)),
+        lambda: _meta_mlps(fully_shard, mesh)(torch.randn(4, 8)),
+        ("fully_shard group of MLP", "to_empty", "reset_parameters"),
     )
 
 
