@@ -252,10 +252,14 @@ class FSDPModule:
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
     ) -> None:
-        """Run ``hook`` on each reduced gradient shard (after the all-reduce for HSDP)."""
+        """Run ``hook`` on each reduced gradient shard (after the all-reduce for HSDP).
+
+        ``stream`` is where the hook runs; with native HSDP (a 2D mesh) it runs where the
+        all-reduce did, so a stream cannot be given (the message is torch's, word for word).
+        """
         groups = self._groups()
         if stream is not None and any(g.mesh_info.is_hsdp for g in groups):
-            raise ValueError("set_all_reduce_hook: a stream cannot be given with native HSDP")
+            raise ValueError("stream cannot be set when using native HSDP")
         self._configure(False, all_reduce_hook=hook, all_reduce_hook_stream=stream)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
