@@ -284,6 +284,12 @@ def _module_paths(roots: tuple[nn.Module, ...]) -> dict[int, str]:
     return paths
 
 
+class ShardDimError(ValueError, AssertionError):
+    """A ``Shard`` dim the parameter does not have. A bad argument, so a ``ValueError``; and
+    an ``AssertionError`` too, which torch's ``fully_shard`` raises for it, so code written
+    against either type catches it."""
+
+
 def _shard_dim(shard_placement_fn, param: nn.Parameter, name: str, owner: str) -> int:
     """The tensor dim to shard ``param`` on: 0, or what ``shard_placement_fn`` returns.
 
@@ -300,10 +306,11 @@ def _shard_dim(shard_placement_fn, param: nn.Parameter, name: str, owner: str) -
         )
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
     if not 0 <= dim < param.dim():
-        raise ValueError(
+        raise ShardDimError(
+            f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: "
             f"shard_placement_fn returned Shard({placement.dim}) for parameter {name!r} "
-            f"({owner}), a {param.dim()}-D tensor of size {tuple(param.size())}; its dims are "
-            f"{-param.dim()} to {param.dim() - 1}"
+            f"({owner}) of size {tuple(param.size())}, whose dims are {-param.dim()} to "
+            f"{param.dim() - 1}"
         )
     return dim
 
