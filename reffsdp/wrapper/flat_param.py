@@ -112,11 +112,11 @@ class FlatParamHandle(GroupMember):
         self.orig_dtype = dtype
         self.param_dtype: torch.dtype | None = None
         self.reduce_dtype: torch.dtype | None = None
-        self.trainable = [p.requires_grad for p in params]
         self.local_shard = self._flatten_and_shard(params)
         if self.offload:
             self.local_shard = self.local_shard.cpu().pin_memory()
-        self.flat_param = FlatParameter(self.local_shard, requires_grad=any(self.trainable))
+        requires_grad = any(p.requires_grad for p in params)
+        self.flat_param = FlatParameter(self.local_shard, requires_grad=requires_grad)
         self.flat_param._fqns = tuple(self.fqns)
         self.orig_params: list[nn.Parameter] = []
         if use_orig_params:
@@ -174,6 +174,15 @@ class FlatParamHandle(GroupMember):
         return [slots[0].fqn.replace(_CHECKPOINT_PREFIX, "") for slots in self.slots]
 
     @property
+    def trainable(self) -> list[bool]:
+        """Per original parameter, whether it takes gradients: read at every use, since
+        users freeze parameters after wrapping too (the flat parameter with
+        ``use_orig_params=False``, any original with ``True``)."""
+        if self.use_orig_params:
+            return [param.requires_grad for param in self.orig_params]
+        return [self.flat_param.requires_grad] * len(self.slots)
+
+    @property
     def requires_grad(self) -> bool:
         return any(self.trainable)
 
@@ -206,7 +215,7 @@ class FlatParamHandle(GroupMember):
         return self.gathered.data
 
     def finish_unshard(self) -> None:
-        if self.unsharded is None:
+        if self.unsharded is None or self.unsharded.requires_grad != self.requires_grad:
             assert self.gathered is not None
             data = self.gathered.narrow(0, 0, self.layout.total_numel)
             self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
@@ -232,9 +241,9 @@ class FlatParamHandle(GroupMember):
         pieces = torch.split(self.unsharded, self.layout.numels_with_padding)
         params = [piece for piece, seg in zip(pieces, self.layout.segments) if not seg.is_padding]
         views = []
-        for i, (piece, shape) in enumerate(zip(params, self.layout.shapes)):
+        for piece, shape, trainable in zip(params, self.layout.shapes, self.trainable):
             view = piece.view(shape)
-            views.append(view if self.trainable[i] else view.detach())
+            views.append(view if trainable else view.detach())
         return views
 
     def to_unsharded(self) -> None:
@@ -319,8 +328,8 @@ class FlatParamHandle(GroupMember):
             else:
                 flat.grad.add_(grad)
             return False
-        for i, param in enumerate(self.orig_params):
-            if not self.trainable[i]:
+        for i, (param, trainable) in enumerate(zip(self.orig_params, self.trainable)):
+            if not trainable:
                 continue
             piece = self._shard_piece(grad, i)
             if piece.numel() == 0:  # none of it on this rank: no gradient (optimizers skip it)
