@@ -24,6 +24,19 @@ Between forward passes (``use_orig_params=False``) each module keeps a plain att
 each of its original parameters, full-shaped but with no storage, as torch's wrapper leaves
 views of its freed unsharded flat parameter: code that walks names with ``getattr``
 (``torch.distributed.checkpoint.state_dict`` does) finds them; reading their values fails.
+
+[Note: moving a wrapped model]
+``model.half()``, ``model.to(torch.float64)`` and ``to_empty()`` run ``nn.Module._apply``,
+which gives every registered parameter new data. The flat parameter owns the storage, so
+``FullyShardedDataParallel._apply`` lets the move reach the flat parameter alone (with
+``use_orig_params=True`` the originals leave their modules and the flat parameter is
+registered for the duration, as in torch's wrapper) and then the handle follows it: the new
+data becomes ``local_shard``, its dtype the original dtype (mixed-precision dtypes are
+resolved again; a ``param_dtype`` asked for still wins), buffers of the old dtype are
+dropped, and the originals view the new shard, their gradients moved by the same function.
+Any time between iterations, before the first forward or after training (torch's wrapper
+follows a dtype move only before its first forward). The shard's device is fixed by the
+constructor (``device_id``, ``CPUOffload``): a move to another device is refused.
 """
 
 from __future__ import annotations
@@ -93,10 +106,12 @@ class FlatParamHandle(GroupMember):
         use_orig_params: bool,
         offload: bool,
         fqn_prefix: str,
+        owner: str,
         pad_multiple: int | None = None,
     ) -> None:
         _check_flattenable(params, slots, use_orig_params)
         self.slots = slots  # per original parameter: every place it is registered
+        self.owner = owner  # the wrapper instance, for messages
         self.device = device
         self.use_orig_params = use_orig_params
         self.offload = offload and device.type != "cpu"
@@ -112,6 +127,9 @@ class FlatParamHandle(GroupMember):
         self.orig_dtype = dtype
         self.param_dtype: torch.dtype | None = None
         self.reduce_dtype: torch.dtype | None = None
+        # The mixed-precision dtypes asked for, kept from lazy init to resolve them again
+        # when the parameters move to another dtype (see follow_flat_param).
+        self._mp_request: tuple[torch.dtype | None, torch.dtype | None] | None = None
         self.local_shard = self._flatten_and_shard(params)
         if self.offload:
             self.local_shard = self.local_shard.cpu().pin_memory()
@@ -195,9 +213,53 @@ class FlatParamHandle(GroupMember):
         return self.layout.shard_numel
 
     def lazy_init(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
+        self._mp_request = (param_dtype, reduce_dtype)
         self.param_dtype, self.reduce_dtype = resolve_dtypes(
             self.orig_dtype, param_dtype, reduce_dtype
         )
+
+    # -- moves: nn.Module._apply (see [Note: moving a wrapped model]) -------------------
+
+    def hide_originals(self) -> None:
+        """Take the original parameters off their modules (``show_sharded`` puts them back)."""
+        for slots in self.slots:
+            for slot in slots:
+                slot.module._parameters.pop(slot.name, None)
+                slot.module.__dict__.pop(slot.name, None)
+
+    def is_local_shard(self, data: torch.Tensor) -> bool:
+        """Whether ``data`` (the flat parameter's data after a move) is the local shard."""
+        shard = self.local_shard
+        same_place = data.dtype == shard.dtype and data.device == shard.device
+        return same_place and data.data_ptr() == shard.data_ptr()
+
+    def follow_flat_param(self, data: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]):
+        """Make ``data``, the flat parameter's data after ``fn`` moved it, the local shard:
+        the dtype follows, original parameters view it, their gradients get ``fn`` too."""
+        storage_device = torch.device("cpu") if self.offload else self.device
+        if data.device != storage_device:
+            raise ValueError(
+                f"{self.owner} keeps its shard on {storage_device}, but moving the model put "
+                f"it on {data.device}; pass device_id (or CPUOffload) to the constructor "
+                "instead of moving the wrapped model to another device"
+            )
+        if self.offload and not data.is_pinned():
+            data = data.pin_memory()
+        self.flat_param.data = data
+        self.local_shard = data
+        if data.dtype != self.orig_dtype:
+            self.orig_dtype = data.dtype
+            if self._mp_request is not None:
+                self.lazy_init(*self._mp_request)
+            self.gathered = self.unsharded = None
+            self._storageless_views = None
+        for i, param in enumerate(self.orig_params):
+            grad = param.grad
+            param.data = self.orig_piece(data, i)
+            if grad is not None:
+                param.grad = None
+                _assign_grad(param, fn(grad))
+        self.show_sharded()
 
     # -- all-gather ---------------------------------------------------------------------
 

@@ -59,10 +59,18 @@ def full_params(wrapper_cls: type, model: nn.Module) -> dict[str, torch.Tensor]:
         }
 
 
-def train(model: nn.Module, optim: torch.optim.Optimizer, num_steps: int, scaler=None) -> None:
-    for step in range(num_steps):
+def train(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    num_steps: int,
+    scaler=None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    first_step: int = 0,
+) -> None:
+    for step in range(first_step, first_step + num_steps):
         optim.zero_grad()
-        loss = model(make_inputs(step, torch.distributed.get_rank())).sum()
+        loss = model(make_inputs(step, torch.distributed.get_rank()).to(dtype)).sum()
         if scaler is None:
             loss.backward()
             optim.step()
@@ -154,3 +162,81 @@ class TestFreezingAfterWrapping(FSDPTestMultiThread):
         for wrapper_cls, module in ((FullyShardedDataParallel, wrapped), (TorchFSDP, torch_model)):
             for name, param in full_params(wrapper_cls, module).items():
                 torch.testing.assert_close(param, expected[name], msg=f"{wrapper_cls}: {name}")
+
+
+def data_parallel_step(model: nn.Module, optim: torch.optim.Optimizer, step: int, dtype) -> None:
+    """One step of ``world_size`` ranks' data parallelism on one unsharded model: each
+    rank's loss divided by the world size, so the gradient is the ranks' average."""
+    world_size = torch.distributed.get_world_size()
+    optim.zero_grad()
+    for rank in range(world_size):
+        (model(make_inputs(step, rank).to(dtype)).sum() / world_size).backward()
+    optim.step()
+
+
+class TestDtypeMovesAfterWrapping(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_half_or_double_before_the_first_forward_like_torch(self):
+        """torch's test_basic_save_and_load_state_dict[fp16=True] calls ``model.half()`` on a
+        wrapped model; the flat parameters take the new dtype, and an optimizer built before
+        the move keeps training them."""
+        self.run_subtests(
+            {
+                "dtype": [torch.float16, torch.float64],
+                "use_orig_params": [False, True],
+                "strategy": [S.FULL_SHARD, S.NO_SHARD],
+            },
+            self._check_move_before_forward,
+        )
+
+    def _check_move_before_forward(self, dtype, use_orig_params, strategy):
+        _, model = reference_and_model(blocks_model())
+        torch_model = torch_wrapped(copy.deepcopy(model), strategy, use_orig_params=use_orig_params)
+        wrapped = wrap_blocks(
+            model, {MLP}, sharding_strategy=strategy, use_orig_params=use_orig_params
+        )
+        for module in (wrapped, torch_model):
+            optim = torch.optim.SGD(module.parameters(), lr=0.1)
+            module.half() if dtype is torch.float16 else module.to(dtype)
+            self.assertEqual({p.dtype for p in module.parameters()}, {dtype})
+            train(module, optim, 2, dtype=dtype)
+        theirs = full_params(TorchFSDP, torch_model)
+        for name, param in full_params(FullyShardedDataParallel, wrapped).items():
+            self.assertEqual(param.dtype, dtype, name)
+            torch.testing.assert_close(param, theirs[name], msg=name)
+
+    def test_double_after_training_like_data_parallel(self):
+        """Between steps too (torch's wrapper fails there): the next forward computes in
+        the new dtype and the optimizer steps the moved shards."""
+        self.run_subtests(
+            {"use_orig_params": [False, True], "strategy": [S.FULL_SHARD, S.SHARD_GRAD_OP]},
+            self._check_move_after_training,
+        )
+
+    def _check_move_after_training(self, use_orig_params, strategy):
+        ref_model, model = reference_and_model(blocks_model())
+        wrapped = wrap_blocks(
+            model, {MLP}, sharding_strategy=strategy, use_orig_params=use_orig_params
+        )
+        ref_optim = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+        optim = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        for step, dtype in enumerate((torch.float32, torch.float64, torch.float64)):
+            if step == 1:
+                ref_model.to(dtype)
+                wrapped.to(dtype)
+            data_parallel_step(ref_model, ref_optim, step, dtype)
+            train(wrapped, optim, 1, dtype=dtype, first_step=step)
+        expected = dict(ref_model.named_parameters())
+        for name, param in full_params(FullyShardedDataParallel, wrapped).items():
+            self.assertEqual(param.dtype, torch.float64, name)
+            torch.testing.assert_close(param, expected[name].detach(), msg=name)
+
+    def test_moving_to_another_device_is_refused(self):
+        """The shard's device is the constructor's to choose; a move elsewhere would leave
+        the shard and the compute device apart."""
+        wrapped = FullyShardedDataParallel(nn.Linear(4, 4), use_orig_params=True)
+        with self.assertRaisesRegex(ValueError, r"FullyShardedDataParallel\(Linear\).*meta"):
+            wrapped.to("meta")
