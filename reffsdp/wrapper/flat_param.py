@@ -25,6 +25,21 @@ each of its original parameters, full-shaped but with no storage, as torch's wra
 views of its freed unsharded flat parameter: code that walks names with ``getattr``
 (``torch.distributed.checkpoint.state_dict`` does) finds them; reading their values fails.
 
+[Note: writing originals back]
+With ``use_orig_params=True`` the original parameters between iterations are views of
+``local_shard``, so in-place edits land in the shard by themselves. Two edits do not:
+
+* ``param.data = tensor``: the parameter stops viewing the shard. Before each all-gather
+  (``before_unshard``) the handle copies such a parameter into its piece of the shard and
+  points it at the piece again. The tensor must have the shape the parameter showed (its
+  1-D piece of the shard, or its own shape under ``NO_SHARD``), else ``RuntimeError``
+  ("Cannot writeback", as torch's). A rank that holds none of the parameter ignores it,
+  as torch's does: the ranks holding its pieces hold its values.
+* ``module.weight = nn.Parameter(...)``: before the first all-gather (lazy init) the new
+  object is adopted in place of the old one, then written back like new data; afterwards
+  it is refused, since an optimizer built by then holds the old object, which would go on
+  training alone (torch's wrapper adopts it and leaves the optimizer so).
+
 [Note: moving a wrapped model]
 ``model.half()``, ``model.to(torch.float64)`` and ``to_empty()`` run ``nn.Module._apply``,
 which gives every registered parameter new data. The flat parameter owns the storage, so
@@ -213,10 +228,73 @@ class FlatParamHandle(GroupMember):
         return self.layout.shard_numel
 
     def lazy_init(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
+        if self.use_orig_params:
+            self._adopt_replaced_originals()
         self._mp_request = (param_dtype, reduce_dtype)
         self.param_dtype, self.reduce_dtype = resolve_dtypes(
             self.orig_dtype, param_dtype, reduce_dtype
         )
+
+    # -- originals edited by the user (see [Note: writing originals back]) ----------------
+
+    def _shown_original(self, index: int) -> torch.Tensor | None:
+        """What the modules show for original ``index``: the original, a parameter the user
+        assigned in its place, a view of ours (between forward and backward), or ``None``
+        where it is deregistered (e.g. while a checkpointing library holds it)."""
+        shown = {id(p): p for p in (getattr(s.module, s.name, None) for s in self.slots[index])}
+        if len(shown) > 1:
+            raise NotImplementedError(
+                f"{self.owner}: {self.fqns[index]} is shared under several names and one of "
+                "them was assigned a new parameter; replacing one name of a shared parameter "
+                "is not supported: assign to every name, or change the values in place"
+            )
+        return next(iter(shown.values()))
+
+    def _adopt_replaced_originals(self) -> None:
+        for i, param in enumerate(self.orig_params):
+            shown = self._shown_original(i)
+            if isinstance(shown, nn.Parameter) and shown is not param:
+                self.orig_params[i] = shown
+
+    def before_unshard(self) -> bool:
+        """Write originals given new data back into the shard; refuse replaced ones."""
+        if not self.use_orig_params:
+            return False
+        wrote = False
+        for i, param in enumerate(self.orig_params):
+            shown = self._shown_original(i)
+            if isinstance(shown, nn.Parameter) and shown is not param:
+                raise RuntimeError(
+                    f"{self.owner}: {self.fqns[i]} was assigned a new nn.Parameter after the "
+                    "first forward; optimizers and the wrapper hold the old one, which would "
+                    "train on alone. Give the old one the new values (param.data = new, or "
+                    "param.copy_(new) under torch.no_grad()), or replace it before the first "
+                    "forward"
+                )
+            wrote |= self._write_back(i, param)
+        return wrote
+
+    def _write_back(self, index: int, param: nn.Parameter) -> bool:
+        view = self.orig_piece(self.local_shard, index)
+        if param.data_ptr() == view.data_ptr() and param.shape == view.shape:
+            if param.dtype == view.dtype and param.device == view.device:
+                return False
+        if self.rank_shard.params[index].in_shard:
+            piece = self._shard_piece(self.local_shard, index)
+            source = param.detach()
+            if self.layout.world_size == 1:  # NO_SHARD shows the parameter's own shape
+                source = source.reshape(-1)
+            if source.shape != piece.shape:
+                raise RuntimeError(
+                    f"Cannot writeback {self.fqns[index]} of {self.owner} on rank "
+                    f"{self.rank_shard.rank}: its shape changed to {tuple(param.shape)}, but "
+                    f"this rank's piece of it has shape {tuple(view.shape)}; assign data of "
+                    "the shape the parameter shows, or edit it in place"
+                )
+            with torch.no_grad():
+                piece.copy_(source)
+        param.data = view
+        return True
 
     # -- moves: nn.Module._apply (see [Note: moving a wrapped model]) -------------------
 

@@ -240,3 +240,141 @@ class TestDtypeMovesAfterWrapping(FSDPTestMultiThread):
         wrapped = FullyShardedDataParallel(nn.Linear(4, 4), use_orig_params=True)
         with self.assertRaisesRegex(ValueError, r"FullyShardedDataParallel\(Linear\).*meta"):
             wrapped.to("meta")
+
+
+class TwoLinears(nn.Module):
+    """torch's writeback model. With ``use_orig_params=True`` on two ranks rank 0 holds
+    ``lin1`` and the first elements of ``lin2.weight``, rank 1 the rest of ``lin2``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(5, 5)
+        self.lin2 = nn.Linear(5, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(torch.relu(self.lin1(x)))
+
+
+def twins(test: FSDPTestMultiThread) -> tuple[nn.Module, FullyShardedDataParallel, TorchFSDP]:
+    """An unsharded reference and the same model wrapped by reffsdp and by torch
+    (``use_orig_params=True``, one instance each)."""
+    ref = TwoLinears()
+    test.sync_module_states(ref)
+    ours = FullyShardedDataParallel(copy.deepcopy(ref), use_orig_params=True)
+    theirs = TorchFSDP(copy.deepcopy(ref), use_orig_params=True, device_id=torch.device("cpu"))
+    return ref, ours, theirs
+
+
+class TestOriginalParameterWriteback(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_new_data_or_in_place_edits_are_written_back_like_torch(self):
+        """torch's test_param_writeback (``.data`` assigned) and in-place edits, before the
+        first forward and after a step: later forwards and the shards see the new values."""
+        self.run_subtests(
+            {
+                "name": ["lin1.weight", "lin2.weight"],
+                "edit": ["data", "in_place"],
+                "after_step": [False, True],
+            },
+            self._check_writeback,
+        )
+
+    def _check_writeback(self, name, edit, after_step):
+        ref, ours, theirs = twins(self)
+        optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours, theirs)]
+        steps = [0, 1] if after_step else [0]
+        for step in steps[:-1]:
+            self._step_all(ref, ours, theirs, optims, step)
+        with torch.no_grad():
+            ref.get_parameter(name).fill_(2.0)
+            for module in (ours.module, theirs.module):
+                param = module.get_parameter(name)
+                if edit == "data":
+                    param.data = torch.full_like(param, 2.0)
+                else:
+                    param.fill_(2.0)
+        self._step_all(ref, ours, theirs, optims, steps[-1])
+        expected = dict(ref.named_parameters())
+        for wrapper_cls, module in ((FullyShardedDataParallel, ours), (TorchFSDP, theirs)):
+            for key, param in full_params(wrapper_cls, module).items():
+                torch.testing.assert_close(param, expected[key].detach(), msg=key)
+
+    def _step_all(self, ref, ours, theirs, optims, step):
+        data_parallel_step(ref, optims[0], step, torch.float32)
+        for module, optim in zip((ours, theirs), optims[1:]):
+            train(module, optim, 1, first_step=step)
+
+    def test_writeback_of_another_shape_raises_like_torch(self):
+        """torch's test_writeback_shape_mismatch: each rank replaces a weight it holds a
+        piece of with a larger one before the first forward; and ``.data`` of another shape
+        assigned after a forward."""
+        self.run_subtests({"replace": [True, False]}, self._check_shape_mismatch)
+
+    def _check_shape_mismatch(self, replace):
+        _, ours, theirs = twins(self)
+        name = "lin1.weight" if self.rank == 0 else "lin2.weight"
+        shard_numel = ours.module.get_parameter(name).numel()
+        for wrapper_cls, wrapped in ((FullyShardedDataParallel, ours), (TorchFSDP, theirs)):
+            if not replace:
+                wrapped(torch.ones(2, 5)).sum().backward()
+            module_name, param_name = name.split(".")
+            larger = torch.randn(6, 6) if replace else torch.randn(shard_numel + 1)
+            owner = wrapped.module.get_submodule(module_name)
+            if replace:
+                setattr(owner, param_name, nn.Parameter(larger))
+            else:
+                owner.get_parameter(param_name).data = larger
+            with self.assertRaisesRegex(RuntimeError, "Cannot writeback") as caught:
+                with wrapper_cls.summon_full_params(wrapped):
+                    pass
+            if wrapper_cls is FullyShardedDataParallel:
+                shape = r"\(6, 6\)" if replace else rf"\({shard_numel + 1},\)"
+                expected = rf"{name}.*{shape}.*\({shard_numel},\)"
+                self.assertRegex(str(caught.exception), expected)
+
+    def test_a_parameter_replaced_before_the_first_forward_trains_like_torch(self):
+        """torch's test_param_writeback with the parameter itself replaced: the new object
+        is the one trained (and an optimizer built afterwards holds it)."""
+        self.run_subtests({"name": ["lin1.weight", "lin2.weight"]}, self._check_replaced)
+
+    def _check_replaced(self, name):
+        ref, ours, theirs = twins(self)
+        owner_name, attr = name.split(".")
+        for module in (ref, ours.module, theirs.module):
+            owner = module.get_submodule(owner_name)
+            setattr(owner, attr, nn.Parameter(torch.full_like(getattr(owner, attr), 2.0)))
+        replaced = ours.module.get_parameter(name)
+        optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours, theirs)]
+        for step in range(2):
+            self._step_all(ref, ours, theirs, optims, step)
+        self.assertIs(ours.module.get_parameter(name), replaced)
+        expected = dict(ref.named_parameters())
+        for wrapper_cls, module in ((FullyShardedDataParallel, ours), (TorchFSDP, theirs)):
+            for key, param in full_params(wrapper_cls, module).items():
+                torch.testing.assert_close(param, expected[key].detach(), msg=key)
+
+    def test_a_parameter_replaced_after_the_first_forward_is_refused(self):
+        """torch's wrapper adopts it silently, while the optimizer goes on stepping the old
+        object; reffsdp names the instance and the parameter."""
+        _, ours, _ = twins(self)
+        ours(torch.ones(2, 5)).sum().backward()
+        ours.module.lin1.weight = nn.Parameter(torch.zeros_like(ours.module.lin1.weight))
+        message = r"FullyShardedDataParallel\(TwoLinears\): lin1.weight was assigned a new"
+        with self.assertRaisesRegex(RuntimeError, message):
+            ours(torch.ones(2, 5))
+
+    def test_replacing_one_name_of_a_shared_parameter_raises_like_torch(self):
+        for wrapper_cls, extra in (
+            (FullyShardedDataParallel, {}),
+            (TorchFSDP, {"device_id": torch.device("cpu")}),
+        ):
+            model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+            model[1].weight = model[0].weight
+            wrapped = wrapper_cls(model, use_orig_params=True, **extra)
+            model[1].weight = nn.Parameter(torch.zeros_like(model[1].weight))
+            with self.assertRaisesRegex(NotImplementedError, "shared"):
+                with wrapper_cls.summon_full_params(wrapped):
+                    pass
