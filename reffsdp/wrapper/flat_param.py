@@ -25,6 +25,20 @@ each of its original parameters, full-shaped but with no storage, as torch's wra
 views of its freed unsharded flat parameter: code that walks names with ``getattr``
 (``torch.distributed.checkpoint.state_dict`` does) finds them; reading their values fails.
 
+[Note: gradients kept while sync is off]
+Inside ``no_sync()`` a backward reduces nothing: the handle adds the unsharded flat gradient
+to ``unsharded_accumulated_grad`` (1-D, ``total_numel``) and shows it, as torch's wrapper
+does, as ``FlatParameter.grad`` (or, with ``use_orig_params=True``, as each trainable
+original's ``.grad``, a full-shaped view of it), setting aside what ``.grad`` held (the
+shard gradient of earlier synced steps). The shown gradient is this rank's own and whole,
+so the shapes differ from the sharded parameters' under the sharded strategies: an
+optimizer step before a synced backward fails on them, as with torch's wrapper, while under
+``NO_SHARD`` it steps with this rank's gradient, as ``DistributedDataParallel.no_sync()``
+does. In-place edits of the shown gradient edit what is kept. Before the next backward's
+reduction (or keeping) the set-aside gradients come back; if the user set every shown
+gradient to ``None`` (``zero_grad()``) in between, the kept gradient and the set-aside ones
+are dropped, as torch's wrapper drops its flat gradient.
+
 [Note: writing originals back]
 With ``use_orig_params=True`` the original parameters between iterations are views of
 ``local_shard``, so in-place edits land in the shard by themselves. Two edits do not:
@@ -161,7 +175,9 @@ class FlatParamHandle(GroupMember):
                 param.grad = None
         self.gathered: torch.Tensor | None = None
         self.unsharded: nn.Parameter | None = None
-        self.unsharded_accumulated_grad: torch.Tensor | None = None
+        self.unsharded_accumulated_grad: torch.Tensor | None = None  # 1-D, total_numel
+        # While it is shown as .grad: each parameter showing it, and what its .grad held.
+        self._grads_set_aside: list[tuple[nn.Parameter, torch.Tensor | None]] | None = None
         self.post_backward_hook: Callable[[], None] | None = None
         self.keep_low_precision_grads = False  # MixedPrecision: grads stay in param_dtype
         self._storageless_views: list[torch.Tensor] | None = None  # see the note above
@@ -386,6 +402,14 @@ class FlatParamHandle(GroupMember):
             views.append(view if trainable else view.detach())
         return views
 
+    def full_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each original parameter's view, at its own shape, of a full flat tensor."""
+        layout = self.layout
+        return [
+            flat.narrow(0, offset, numel).view(shape)
+            for offset, numel, shape in zip(layout.param_offsets, layout.numels, layout.shapes)
+        ]
+
     def to_unsharded(self) -> None:
         for slots, view in zip(self.slots, self.unsharded_views()):
             for slot in slots:
@@ -403,12 +427,7 @@ class FlatParamHandle(GroupMember):
         """Full-shaped views of a flat buffer whose storage is freed, made once."""
         if self._storageless_views is None:
             freed = torch.empty(self.layout.total_numel, dtype=self.orig_dtype, device=self.device)
-            self._storageless_views = [
-                freed.narrow(0, offset, numel).view(shape)
-                for offset, numel, shape in zip(
-                    self.layout.param_offsets, self.layout.numels, self.layout.shapes
-                )
-            ]
+            self._storageless_views = self.full_views(freed)
             freed.untyped_storage().resize_(0)
         return self._storageless_views
 
@@ -432,6 +451,7 @@ class FlatParamHandle(GroupMember):
         return grad
 
     def take_grad_for_reduce(self, zeros_if_unused: bool) -> torch.Tensor | None:
+        self._hide_kept_grad()
         grad = self._pop_unsharded_grad()
         if self.unsharded_accumulated_grad is not None:
             if grad is not None:
@@ -445,14 +465,46 @@ class FlatParamHandle(GroupMember):
         return grad
 
     def keep_unsharded_grad(self) -> None:
+        self._hide_kept_grad()
         grad = self._pop_unsharded_grad()
-        if grad is None:
+        if grad is not None:
+            dtype = self.reduce_dtype or grad.dtype
+            if self.unsharded_accumulated_grad is None:
+                self.unsharded_accumulated_grad = grad.to(dtype, copy=True)
+            else:
+                self.unsharded_accumulated_grad += grad
+        self._show_kept_grad()
+
+    def _show_kept_grad(self) -> None:
+        """Show the gradient kept while sync is off as ``.grad`` (see [Note: gradients kept
+        while sync is off]), setting aside what ``.grad`` held."""
+        kept = self.unsharded_accumulated_grad
+        if kept is None:
             return
-        dtype = self.reduce_dtype or grad.dtype
-        if self.unsharded_accumulated_grad is None:
-            self.unsharded_accumulated_grad = grad.to(dtype, copy=True)
+        if self.use_orig_params:
+            views = zip(self.orig_params, self.full_views(kept), self.trainable)
+            shown = [(param, view) for param, view, trainable in views if trainable]
         else:
-            self.unsharded_accumulated_grad += grad
+            shown = [(self.flat_param, kept)]
+        if self._grads_set_aside is None:
+            self._grads_set_aside = [(param, param.grad) for param, _ in shown]
+        for param, grad in shown:
+            param.grad = None
+            _assign_grad(param, grad)
+
+    def _hide_kept_grad(self) -> None:
+        """Give ``.grad`` back what it held before; if the user cleared every gradient
+        shown (``zero_grad()``), drop the kept gradient and what was set aside."""
+        if self._grads_set_aside is None:
+            return
+        aside, self._grads_set_aside = self._grads_set_aside, None
+        if all(param.grad is None for param, _ in aside):
+            self.unsharded_accumulated_grad = None
+            aside = [(param, None) for param, _ in aside]
+        for param, grad in aside:
+            param.grad = None
+            if grad is not None:
+                _assign_grad(param, grad)
 
     def accept_reduced_grad(self, shard: torch.Tensor) -> bool:
         # ``shard`` is the group's whole reduced row for a one-member group: viewing it keeps
@@ -480,15 +532,17 @@ class FlatParamHandle(GroupMember):
         return False
 
     def discard_grads(self) -> None:
+        self._hide_kept_grad()
         self._pop_unsharded_grad()
         self.unsharded_accumulated_grad = None
 
 
 def _assign_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
-    """``param.grad = grad``, also for a low-precision gradient on a full-precision param."""
-    if grad.dtype == param.dtype:
+    """``param.grad = grad``, also for a gradient of another dtype (low precision), shape or
+    device (kept unsharded while gradient sync is off)."""
+    if (grad.dtype, grad.shape, grad.device) == (param.dtype, param.shape, param.device):
         param.grad = grad
-    else:  # ``.grad`` must match the param's dtype on assignment; ``.data`` need not
+    else:  # ``.grad`` must match the param on assignment; ``.data`` need not
         param.grad = torch.empty_like(param)
         param.grad.data = grad
 

@@ -279,20 +279,13 @@ class _FullParams:
 
     # -- what the module shows ----------------------------------------------------------
 
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        layout = self.handle.layout
-        return [
-            flat.narrow(0, offset, numel).view(shape)
-            for offset, numel, shape in zip(layout.param_offsets, layout.numels, layout.shapes)
-        ]
-
     def show(self, *, offload_to_cpu: bool) -> None:
         handle = self.handle
         shown = self.flat.detach()
         if offload_to_cpu and shown.device.type != "cpu":
             self.cpu_copy = shown = shown.to("cpu")
-        views = self._views(shown)
-        grad_views = self._views(self.grad_flat) if self.grad_flat is not None else None
+        views = handle.full_views(shown)
+        grad_views = handle.full_views(self.grad_flat) if self.grad_flat is not None else None
         if not handle.use_orig_params:
             wrapped = self.instance.module  # holds the flat parameter
             self.saved_flat_entries = list(wrapped._parameters.items())

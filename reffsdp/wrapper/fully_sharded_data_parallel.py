@@ -620,6 +620,9 @@ class FullyShardedDataParallel(nn.Module):
             end_backward([i._group for i in ctx.instances if i._group is not None], ctx.comm)
             for instance in ctx.instances:
                 instance.training_state = TrainingState.IDLE
+                if instance._use_orig_params and instance._handle is not None:
+                    # Groups kept unsharded for the next backward (no_sync) show shards too.
+                    instance._handle.show_sharded()
             ctx.post_forward_order.clear()
         finally:
             ctx.final_callback_queued = False
@@ -672,7 +675,11 @@ class FullyShardedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally, with no communication, until the context exits."""
+        """Accumulate gradients locally, with no communication, until the context exits.
+
+        Meanwhile ``.grad`` shows this rank's own gradient, unsharded (see [Note: gradients
+        kept while sync is off] in flat_param): under the sharded strategies step the
+        optimizer only after a backward outside the context, which reduces it."""
         self._lazy_init()
         if not self._is_root:
             raise RuntimeError("no_sync() must be called on the root FullyShardedDataParallel")

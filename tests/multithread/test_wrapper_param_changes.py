@@ -378,3 +378,120 @@ class TestOriginalParameterWriteback(FSDPTestMultiThread):
             with self.assertRaisesRegex(NotImplementedError, "shared"):
                 with wrapper_cls.summon_full_params(wrapped):
                     pass
+
+
+def four_linears(test: FSDPTestMultiThread, strategy: ShardingStrategy) -> dict:
+    """``Linear(7, 1, bias=False)`` wrapped by reffsdp and by torch, with and without
+    ``use_orig_params``, keyed ``(api, use_orig_params)``; the unsharded copy under
+    ``"local"``."""
+    local = nn.Linear(7, 1, bias=False)
+    test.sync_module_states(local)
+    models: dict = {"local": local}
+    for use_orig_params in (False, True):
+        models["reffsdp", use_orig_params] = FullyShardedDataParallel(
+            copy.deepcopy(local), sharding_strategy=strategy, use_orig_params=use_orig_params
+        )
+        models["torch", use_orig_params] = TorchFSDP(
+            copy.deepcopy(local),
+            sharding_strategy=TorchStrategy[strategy.name],
+            use_orig_params=use_orig_params,
+            device_id=torch.device("cpu"),
+        )
+    return models
+
+
+def shown_grad(model: nn.Module) -> torch.Tensor | None:
+    """The one parameter's gradient, flattened, without flat padding."""
+    (param,) = model.parameters()
+    return None if param.grad is None else param.grad.reshape(-1)[:7]
+
+
+class TestGradientsInsideNoSync(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.rank)
+        return torch.randn(2, 7, generator=generator), torch.randn(2, 1, generator=generator)
+
+    def test_gradients_after_a_backward_inside_no_sync_like_torch(self):
+        """torch's test_no_sync_correctness: inside ``no_sync()`` the gradient shown is this
+        rank's own, whole (sharded strategies too); the synced backward after it reduces
+        both, so the shard shows twice a synced backward's gradient."""
+        self.run_subtests({"strategy": STRATEGIES}, self._check_no_sync_grads)
+
+    def _check_no_sync_grads(self, strategy):
+        models = four_linears(self, strategy)
+        inp, out_grad = self._inputs()
+        local = models.pop("local")
+        local(inp).backward(out_grad)
+        synced = {}
+        for key, model in models.items():
+            model(inp).backward(out_grad)
+            synced[key] = shown_grad(model).clone()
+            torch.optim.AdamW(model.parameters()).zero_grad(set_to_none=True)
+            with model.no_sync():
+                model(inp).backward(out_grad)
+            torch.testing.assert_close(shown_grad(model), local.weight.grad.reshape(-1), msg=key)
+            model(inp).backward(out_grad)
+            torch.testing.assert_close(shown_grad(model), 2 * synced[key], msg=key)
+        for use_orig_params in (False, True):
+            ours, theirs = synced["reffsdp", use_orig_params], synced["torch", use_orig_params]
+            torch.testing.assert_close(ours, theirs)
+
+    def test_a_step_right_after_no_sync_like_torch(self):
+        """With no synced backward yet: under NO_SHARD the step takes this rank's own
+        accumulated gradient (as DDP's ``no_sync()``); the sharded strategies hold it
+        unsharded and the optimizer's step fails on the shapes, as with torch's wrapper. The
+        parameters shown stay the shard's, as torch's."""
+        self.run_subtests({"strategy": STRATEGIES}, self._check_step_after_no_sync)
+
+    def _check_step_after_no_sync(self, strategy):
+        models = four_linears(self, strategy)
+        models.pop("local")
+        inp, out_grad = self._inputs()
+        stepped = {}
+        for key, model in models.items():
+            params = list(model.parameters())
+            optim = torch.optim.SGD(params, lr=0.1)
+            with model.no_sync():
+                model(inp).backward(out_grad)
+            self.assertEqual([id(p) for p in model.parameters()], [id(p) for p in params], key)
+            if strategy is not S.NO_SHARD:
+                with self.assertRaisesRegex(RuntimeError, "must match the size", msg=key):
+                    optim.step()
+                continue
+            before = params[0].detach().clone()
+            optim.step()
+            self.assertFalse(torch.equal(before, params[0].detach()), key)
+            stepped[key] = params[0].detach().clone()
+        for use_orig_params in (False, True) if stepped else ():
+            ours, theirs = stepped["reffsdp", use_orig_params], stepped["torch", use_orig_params]
+            torch.testing.assert_close(ours, theirs)
+
+    def test_zero_grad_inside_no_sync_clears_every_gradient_like_ddp(self):
+        """``zero_grad()`` between microbatches inside ``no_sync()`` drops the kept gradient
+        and the shard gradient of the earlier synced step: the synced backward that follows
+        shows two backwards' worth, as DDP would. torch's wrapper agrees under NO_SHARD;
+        under the sharded strategies it still adds the earlier step's shard gradient, which
+        ``zero_grad()`` could not reach (three backwards' worth)."""
+        self.run_subtests({"strategy": STRATEGIES}, self._check_zero_grad_inside_no_sync)
+
+    def _check_zero_grad_inside_no_sync(self, strategy):
+        models = four_linears(self, strategy)
+        models.pop("local")
+        inp, out_grad = self._inputs()
+        grads = {}
+        for key, model in models.items():
+            model(inp).backward(out_grad)
+            once = shown_grad(model).clone()
+            optim = torch.optim.SGD(model.parameters(), lr=0.1)
+            with model.no_sync():
+                model(inp).backward(out_grad)
+                optim.zero_grad()
+                model(inp).backward(out_grad)
+            model(inp).backward(out_grad)
+            grads[key] = shown_grad(model)
+            if key[0] == "reffsdp" or strategy is S.NO_SHARD:
+                torch.testing.assert_close(grads[key], 2 * once, msg=key)
