@@ -247,9 +247,11 @@ class FlatParamHandle(GroupMember):
         if self.use_orig_params:
             self._adopt_replaced_originals()
         self._mp_request = (param_dtype, reduce_dtype)
-        self.param_dtype, self.reduce_dtype = resolve_dtypes(
-            self.orig_dtype, param_dtype, reduce_dtype
-        )
+        self._resolve_dtypes()
+
+    def _resolve_dtypes(self) -> None:
+        assert self._mp_request is not None
+        self.param_dtype, self.reduce_dtype = resolve_dtypes(self.orig_dtype, *self._mp_request)
 
     # -- originals edited by the user (see [Note: writing originals back]) ----------------
 
@@ -332,6 +334,7 @@ class FlatParamHandle(GroupMember):
         the dtype follows, original parameters view it, their gradients get ``fn`` too."""
         storage_device = torch.device("cpu") if self.offload else self.device
         if data.device != storage_device:
+            self.flat_param.data = self.local_shard  # the move is undone
             raise ValueError(
                 f"{self.owner} keeps its shard on {storage_device}, but moving the model put "
                 f"it on {data.device}; pass device_id (or CPUOffload) to the constructor "
@@ -343,8 +346,8 @@ class FlatParamHandle(GroupMember):
         self.local_shard = data
         if data.dtype != self.orig_dtype:
             self.orig_dtype = data.dtype
-            if self._mp_request is not None:
-                self.lazy_init(*self._mp_request)
+            if self._mp_request is not None:  # resolved at lazy init already: again
+                self._resolve_dtypes()
             self.gathered = self.unsharded = None
             self._storageless_views = None
         for i, param in enumerate(self.orig_params):
@@ -486,8 +489,7 @@ class FlatParamHandle(GroupMember):
             shown = [(param, view) for param, view, trainable in views if trainable]
         else:
             shown = [(self.flat_param, kept)]
-        if self._grads_set_aside is None:
-            self._grads_set_aside = [(param, param.grad) for param, _ in shown]
+        self._grads_set_aside = [(param, param.grad) for param, _ in shown]
         for param, grad in shown:
             param.grad = None
             _assign_grad(param, grad)

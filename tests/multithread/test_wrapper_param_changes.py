@@ -2,8 +2,9 @@
 
 Freezing parameters, moving the model to another dtype, assigning to an original
 parameter's ``.data`` or replacing it, reading gradients inside ``no_sync()``: each is
-checked against ``DistributedDataParallel`` (a copy changed the same way) and against
-torch's own wrapper (``device_id=cpu``), which supports them.
+checked against ``DistributedDataParallel`` or an unsharded copy changed the same way, and
+against torch's own wrapper (``device_id=cpu``) where it supports the change; the tests
+say where torch's wrapper fails or behaves otherwise.
 """
 
 from __future__ import annotations
@@ -236,10 +237,26 @@ class TestDtypeMovesAfterWrapping(FSDPTestMultiThread):
 
     def test_moving_to_another_device_is_refused(self):
         """The shard's device is the constructor's to choose; a move elsewhere would leave
-        the shard and the compute device apart."""
-        wrapped = FullyShardedDataParallel(nn.Linear(4, 4), use_orig_params=True)
-        with self.assertRaisesRegex(ValueError, r"FullyShardedDataParallel\(Linear\).*meta"):
-            wrapped.to("meta")
+        the shard and the compute device apart. The refused move leaves a working model."""
+        for use_orig_params in (False, True):
+            wrapped = FullyShardedDataParallel(nn.Linear(4, 4), use_orig_params=use_orig_params)
+            with self.assertRaisesRegex(ValueError, r"FullyShardedDataParallel\(Linear\).*meta"):
+                wrapped.to("meta")
+            wrapped(torch.ones(2, 4)).sum().backward()
+            self.assertEqual({p.device.type for p in wrapped.parameters()}, {"cpu"})
+
+    @pytest.mark.gpu
+    def test_a_refused_move_to_the_gpu_is_undone(self):
+        """Unlike a move to meta, one to CUDA gives the flat parameter itself the moved data;
+        refused, it is taken back."""
+        for use_orig_params in (False, True):
+            wrapped = FullyShardedDataParallel(
+                nn.Linear(4, 4), use_orig_params=use_orig_params, device_id=torch.device("cpu")
+            )
+            with self.assertRaisesRegex(ValueError, r"FullyShardedDataParallel\(Linear\).*cuda"):
+                wrapped.cuda()
+            self.assertEqual({p.device.type for p in wrapped.parameters()}, {"cpu"})
+            wrapped(torch.ones(2, 4)).sum().backward()
 
 
 class TwoLinears(nn.Module):
