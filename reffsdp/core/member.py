@@ -33,7 +33,8 @@ import torch
 class GroupMember(Protocol):
     """The dozen things a group asks of a member (see [Note: group members]).
 
-    Members subclass it to inherit ``compute_dtype``; the rest each member answers itself.
+    Members subclass it to inherit ``compute_dtype`` and the no-op ``before_unshard``;
+    the rest each member answers itself.
     """
 
     @property
@@ -69,6 +70,12 @@ class GroupMember(Protocol):
         ...
 
     # -- all-gather ---------------------------------------------------------------------
+
+    def before_unshard(self) -> bool:
+        """Before an all-gather reads the shard, on the current stream: bring the shard up
+        to date with edits made through the module (a flat parameter's originals). Returns
+        whether it wrote to the shard; members with nothing to do keep this default."""
+        return False
 
     def all_gather_input(self) -> torch.Tensor:
         """This rank's padded shard, 1-D, on the compute device, in compute dtype."""

@@ -156,17 +156,19 @@ class ParamGroup:
         [Note: collectives on CPU] in ``streams``); on an accelerator the host never waits.
         ``after_compute``: called outside the forward's order (an explicit ``unshard()``,
         summoning full parameters, loading a state dict), when the compute stream may have
-        just written the shards, so the side stream waits for it first (rule 1).
+        just written the shards, so the side stream waits for it first (rule 1); so it does
+        when a member wrote its shard in ``before_unshard``.
         """
         if self._all_gather is not None or self.is_unsharded:
             return
         self.lazy_init()
         assert self.comm_ctx is not None
+        wrote = [member.before_unshard() for member in self.members]
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
         mesh_info = self.post_forward_mesh_info if post_forward else self.mesh_info
         assert mesh_info is not None
         stream = self.comm_ctx.all_gather_stream(self.device)
-        if post_forward or after_compute:
+        if post_forward or after_compute or any(wrote):
             stream.wait_for_compute()  # rule 1 (the post-forward blocks were cloned there)
         current = self.settings.unshard_async_op
         with stream.issuing(current=current):

@@ -24,6 +24,48 @@ Between forward passes (``use_orig_params=False``) each module keeps a plain att
 each of its original parameters, full-shaped but with no storage, as torch's wrapper leaves
 views of its freed unsharded flat parameter: code that walks names with ``getattr``
 (``torch.distributed.checkpoint.state_dict`` does) finds them; reading their values fails.
+
+[Note: gradients kept while sync is off]
+Inside ``no_sync()`` a backward reduces nothing: the handle adds the unsharded flat gradient
+to ``unsharded_accumulated_grad`` (1-D, ``total_numel``) and shows it, as torch's wrapper
+does, as ``FlatParameter.grad`` (or, with ``use_orig_params=True``, as each trainable
+original's ``.grad``, a full-shaped view of it), setting aside what ``.grad`` held (the
+shard gradient of earlier synced steps). The shown gradient is this rank's own and whole,
+so the shapes differ from the sharded parameters' under the sharded strategies: an
+optimizer step before a synced backward fails on them, as with torch's wrapper, while under
+``NO_SHARD`` it steps with this rank's gradient, as ``DistributedDataParallel.no_sync()``
+does. In-place edits of the shown gradient edit what is kept. Before the next backward's
+reduction (or keeping) the set-aside gradients come back; if the user set every shown
+gradient to ``None`` (``zero_grad()``) in between, the kept gradient and the set-aside ones
+are dropped, as torch's wrapper drops its flat gradient.
+
+[Note: writing originals back]
+With ``use_orig_params=True`` the original parameters between iterations are views of
+``local_shard``, so in-place edits land in the shard by themselves. Two edits do not:
+
+* ``param.data = tensor``: the parameter stops viewing the shard. Before each all-gather
+  (``before_unshard``) the handle copies such a parameter into its piece of the shard and
+  points it at the piece again. The tensor must have the shape the parameter showed (its
+  1-D piece of the shard, or its own shape under ``NO_SHARD``), else ``RuntimeError``
+  ("Cannot writeback", as torch's). A rank that holds none of the parameter ignores it,
+  as torch's does: the ranks holding its pieces hold its values.
+* ``module.weight = nn.Parameter(...)``: before the first all-gather (lazy init) the new
+  object is adopted in place of the old one, then written back like new data; afterwards
+  it is refused, since an optimizer built by then holds the old object, which would go on
+  training alone (torch's wrapper adopts it and leaves the optimizer so).
+
+[Note: moving a wrapped model]
+``model.half()``, ``model.to(torch.float64)`` and ``to_empty()`` run ``nn.Module._apply``,
+which gives every registered parameter new data. The flat parameter owns the storage, so
+``FullyShardedDataParallel._apply`` lets the move reach the flat parameter alone (with
+``use_orig_params=True`` the originals leave their modules and the flat parameter is
+registered for the duration, as in torch's wrapper) and then the handle follows it: the new
+data becomes ``local_shard``, its dtype the original dtype (mixed-precision dtypes are
+resolved again; a ``param_dtype`` asked for still wins), buffers of the old dtype are
+dropped, and the originals view the new shard, their gradients moved by the same function.
+Any time between iterations, before the first forward or after training (torch's wrapper
+follows a dtype move only before its first forward). The shard's device is fixed by the
+constructor (``device_id``, ``CPUOffload``): a move to another device is refused.
 """
 
 from __future__ import annotations
@@ -93,10 +135,12 @@ class FlatParamHandle(GroupMember):
         use_orig_params: bool,
         offload: bool,
         fqn_prefix: str,
+        owner: str,
         pad_multiple: int | None = None,
     ) -> None:
         _check_flattenable(params, slots, use_orig_params)
         self.slots = slots  # per original parameter: every place it is registered
+        self.owner = owner  # the wrapper instance, for messages
         self.device = device
         self.use_orig_params = use_orig_params
         self.offload = offload and device.type != "cpu"
@@ -112,11 +156,14 @@ class FlatParamHandle(GroupMember):
         self.orig_dtype = dtype
         self.param_dtype: torch.dtype | None = None
         self.reduce_dtype: torch.dtype | None = None
-        self.trainable = [p.requires_grad for p in params]
+        # The mixed-precision dtypes asked for, kept from lazy init to resolve them again
+        # when the parameters move to another dtype (see follow_flat_param).
+        self._mp_request: tuple[torch.dtype | None, torch.dtype | None] | None = None
         self.local_shard = self._flatten_and_shard(params)
         if self.offload:
             self.local_shard = self.local_shard.cpu().pin_memory()
-        self.flat_param = FlatParameter(self.local_shard, requires_grad=any(self.trainable))
+        requires_grad = any(p.requires_grad for p in params)
+        self.flat_param = FlatParameter(self.local_shard, requires_grad=requires_grad)
         self.flat_param._fqns = tuple(self.fqns)
         self.orig_params: list[nn.Parameter] = []
         if use_orig_params:
@@ -128,7 +175,9 @@ class FlatParamHandle(GroupMember):
                 param.grad = None
         self.gathered: torch.Tensor | None = None
         self.unsharded: nn.Parameter | None = None
-        self.unsharded_accumulated_grad: torch.Tensor | None = None
+        self.unsharded_accumulated_grad: torch.Tensor | None = None  # 1-D, total_numel
+        # While it is shown as .grad: each parameter showing it, and what its .grad held.
+        self._grads_set_aside: list[tuple[nn.Parameter, torch.Tensor | None]] | None = None
         self.post_backward_hook: Callable[[], None] | None = None
         self.keep_low_precision_grads = False  # MixedPrecision: grads stay in param_dtype
         self._storageless_views: list[torch.Tensor] | None = None  # see the note above
@@ -174,6 +223,15 @@ class FlatParamHandle(GroupMember):
         return [slots[0].fqn.replace(_CHECKPOINT_PREFIX, "") for slots in self.slots]
 
     @property
+    def trainable(self) -> list[bool]:
+        """Per original parameter, whether it takes gradients: read at every use, since
+        users freeze parameters after wrapping too (the flat parameter with
+        ``use_orig_params=False``, any original with ``True``)."""
+        if self.use_orig_params:
+            return [param.requires_grad for param in self.orig_params]
+        return [self.flat_param.requires_grad] * len(self.slots)
+
+    @property
     def requires_grad(self) -> bool:
         return any(self.trainable)
 
@@ -186,9 +244,119 @@ class FlatParamHandle(GroupMember):
         return self.layout.shard_numel
 
     def lazy_init(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
-        self.param_dtype, self.reduce_dtype = resolve_dtypes(
-            self.orig_dtype, param_dtype, reduce_dtype
-        )
+        if self.use_orig_params:
+            self._adopt_replaced_originals()
+        self._mp_request = (param_dtype, reduce_dtype)
+        self._resolve_dtypes()
+
+    def _resolve_dtypes(self) -> None:
+        assert self._mp_request is not None
+        self.param_dtype, self.reduce_dtype = resolve_dtypes(self.orig_dtype, *self._mp_request)
+
+    # -- originals edited by the user (see [Note: writing originals back]) ----------------
+
+    def _shown_original(self, index: int) -> torch.Tensor | None:
+        """What the modules show for original ``index``: the original, a parameter the user
+        assigned in its place, a view of ours (between forward and backward), or ``None``
+        where it is deregistered (e.g. while a checkpointing library holds it)."""
+        shown = {id(p): p for p in (getattr(s.module, s.name, None) for s in self.slots[index])}
+        if len(shown) > 1:
+            raise NotImplementedError(
+                f"{self.owner}: {self.fqns[index]} is shared under several names and one of "
+                "them was assigned a new parameter; replacing one name of a shared parameter "
+                "is not supported: assign to every name, or change the values in place"
+            )
+        return next(iter(shown.values()))
+
+    def _adopt_replaced_originals(self) -> None:
+        for i, param in enumerate(self.orig_params):
+            shown = self._shown_original(i)
+            if isinstance(shown, nn.Parameter) and shown is not param:
+                self.orig_params[i] = shown
+
+    def before_unshard(self) -> bool:
+        """Write originals given new data back into the shard; refuse replaced ones."""
+        if not self.use_orig_params:
+            return False
+        wrote = False
+        for i, param in enumerate(self.orig_params):
+            shown = self._shown_original(i)
+            if isinstance(shown, nn.Parameter) and shown is not param:
+                raise RuntimeError(
+                    f"{self.owner}: {self.fqns[i]} was assigned a new nn.Parameter after the "
+                    "first forward; optimizers and the wrapper hold the old one, which would "
+                    "train on alone. Give the old one the new values (param.data = new, or "
+                    "param.copy_(new) under torch.no_grad()), or replace it before the first "
+                    "forward"
+                )
+            wrote |= self._write_back(i, param)
+        return wrote
+
+    def _write_back(self, index: int, param: nn.Parameter) -> bool:
+        view = self.orig_piece(self.local_shard, index)
+        if param.data_ptr() == view.data_ptr() and param.shape == view.shape:
+            if param.dtype == view.dtype and param.device == view.device:
+                return False
+        if self.rank_shard.params[index].in_shard:
+            piece = self._shard_piece(self.local_shard, index)
+            source = param.detach()
+            if self.layout.world_size == 1:  # NO_SHARD shows the parameter's own shape
+                source = source.reshape(-1)
+            if source.shape != piece.shape:
+                raise RuntimeError(
+                    f"Cannot writeback {self.fqns[index]} of {self.owner} on rank "
+                    f"{self.rank_shard.rank}: its shape changed to {tuple(param.shape)}, but "
+                    f"this rank's piece of it has shape {tuple(view.shape)}; assign data of "
+                    "the shape the parameter shows, or edit it in place"
+                )
+            with torch.no_grad():
+                piece.copy_(source)
+        param.data = view
+        return True
+
+    # -- moves: nn.Module._apply (see [Note: moving a wrapped model]) -------------------
+
+    def hide_originals(self) -> None:
+        """Take the original parameters off their modules (``show_sharded`` puts them back)."""
+        for slots in self.slots:
+            for slot in slots:
+                slot.module._parameters.pop(slot.name, None)
+                slot.module.__dict__.pop(slot.name, None)
+
+    def is_local_shard(self, data: torch.Tensor) -> bool:
+        """Whether ``data`` (the flat parameter's data after a move) is the local shard."""
+        shard = self.local_shard
+        same_place = data.dtype == shard.dtype and data.device == shard.device
+        return same_place and data.data_ptr() == shard.data_ptr()
+
+    def follow_flat_param(self, data: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]):
+        """Make ``data``, the flat parameter's data after ``fn`` moved it, the local shard:
+        the dtype follows, original parameters view it, their gradients get ``fn`` too."""
+        storage_device = torch.device("cpu") if self.offload else self.device
+        if data.device != storage_device:
+            self.flat_param.data = self.local_shard  # the move is undone
+            raise ValueError(
+                f"{self.owner} keeps its shard on {storage_device}, but moving the model put "
+                f"it on {data.device}; pass device_id (or CPUOffload) to the constructor "
+                "instead of moving the wrapped model to another device"
+            )
+        if self.offload and not data.is_pinned():
+            data = data.pin_memory()
+        self.flat_param.data = data
+        self.local_shard = data
+        if data.dtype != self.orig_dtype:
+            self.orig_dtype = data.dtype
+            if self._mp_request is not None:  # resolved at lazy init already: again
+                self._resolve_dtypes()
+            self.gathered = self.unsharded = None
+            self._storageless_views = None
+        for i, param in enumerate(self.orig_params):
+            grad = param.grad
+            param.data = self.orig_piece(data, i)
+            if grad is not None:
+                param.grad = None
+                _assign_grad(param, fn(grad))
+        self.show_sharded()
 
     # -- all-gather ---------------------------------------------------------------------
 
@@ -206,7 +374,7 @@ class FlatParamHandle(GroupMember):
         return self.gathered.data
 
     def finish_unshard(self) -> None:
-        if self.unsharded is None:
+        if self.unsharded is None or self.unsharded.requires_grad != self.requires_grad:
             assert self.gathered is not None
             data = self.gathered.narrow(0, 0, self.layout.total_numel)
             self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
@@ -232,10 +400,18 @@ class FlatParamHandle(GroupMember):
         pieces = torch.split(self.unsharded, self.layout.numels_with_padding)
         params = [piece for piece, seg in zip(pieces, self.layout.segments) if not seg.is_padding]
         views = []
-        for i, (piece, shape) in enumerate(zip(params, self.layout.shapes)):
+        for piece, shape, trainable in zip(params, self.layout.shapes, self.trainable):
             view = piece.view(shape)
-            views.append(view if self.trainable[i] else view.detach())
+            views.append(view if trainable else view.detach())
         return views
+
+    def full_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each original parameter's view, at its own shape, of a full flat tensor."""
+        layout = self.layout
+        return [
+            flat.narrow(0, offset, numel).view(shape)
+            for offset, numel, shape in zip(layout.param_offsets, layout.numels, layout.shapes)
+        ]
 
     def to_unsharded(self) -> None:
         for slots, view in zip(self.slots, self.unsharded_views()):
@@ -254,12 +430,7 @@ class FlatParamHandle(GroupMember):
         """Full-shaped views of a flat buffer whose storage is freed, made once."""
         if self._storageless_views is None:
             freed = torch.empty(self.layout.total_numel, dtype=self.orig_dtype, device=self.device)
-            self._storageless_views = [
-                freed.narrow(0, offset, numel).view(shape)
-                for offset, numel, shape in zip(
-                    self.layout.param_offsets, self.layout.numels, self.layout.shapes
-                )
-            ]
+            self._storageless_views = self.full_views(freed)
             freed.untyped_storage().resize_(0)
         return self._storageless_views
 
@@ -283,6 +454,7 @@ class FlatParamHandle(GroupMember):
         return grad
 
     def take_grad_for_reduce(self, zeros_if_unused: bool) -> torch.Tensor | None:
+        self._hide_kept_grad()
         grad = self._pop_unsharded_grad()
         if self.unsharded_accumulated_grad is not None:
             if grad is not None:
@@ -296,14 +468,45 @@ class FlatParamHandle(GroupMember):
         return grad
 
     def keep_unsharded_grad(self) -> None:
+        self._hide_kept_grad()
         grad = self._pop_unsharded_grad()
-        if grad is None:
+        if grad is not None:
+            dtype = self.reduce_dtype or grad.dtype
+            if self.unsharded_accumulated_grad is None:
+                self.unsharded_accumulated_grad = grad.to(dtype, copy=True)
+            else:
+                self.unsharded_accumulated_grad += grad
+        self._show_kept_grad()
+
+    def _show_kept_grad(self) -> None:
+        """Show the gradient kept while sync is off as ``.grad`` (see [Note: gradients kept
+        while sync is off]), setting aside what ``.grad`` held."""
+        kept = self.unsharded_accumulated_grad
+        if kept is None:
             return
-        dtype = self.reduce_dtype or grad.dtype
-        if self.unsharded_accumulated_grad is None:
-            self.unsharded_accumulated_grad = grad.to(dtype, copy=True)
+        if self.use_orig_params:
+            views = zip(self.orig_params, self.full_views(kept), self.trainable)
+            shown = [(param, view) for param, view, trainable in views if trainable]
         else:
-            self.unsharded_accumulated_grad += grad
+            shown = [(self.flat_param, kept)]
+        self._grads_set_aside = [(param, param.grad) for param, _ in shown]
+        for param, grad in shown:
+            param.grad = None
+            _assign_grad(param, grad)
+
+    def _hide_kept_grad(self) -> None:
+        """Give ``.grad`` back what it held before; if the user cleared every gradient
+        shown (``zero_grad()``), drop the kept gradient and what was set aside."""
+        if self._grads_set_aside is None:
+            return
+        aside, self._grads_set_aside = self._grads_set_aside, None
+        if all(param.grad is None for param, _ in aside):
+            self.unsharded_accumulated_grad = None
+            aside = [(param, None) for param, _ in aside]
+        for param, grad in aside:
+            param.grad = None
+            if grad is not None:
+                _assign_grad(param, grad)
 
     def accept_reduced_grad(self, shard: torch.Tensor) -> bool:
         # ``shard`` is the group's whole reduced row for a one-member group: viewing it keeps
@@ -319,8 +522,8 @@ class FlatParamHandle(GroupMember):
             else:
                 flat.grad.add_(grad)
             return False
-        for i, param in enumerate(self.orig_params):
-            if not self.trainable[i]:
+        for i, (param, trainable) in enumerate(zip(self.orig_params, self.trainable)):
+            if not trainable:
                 continue
             piece = self._shard_piece(grad, i)
             if piece.numel() == 0:  # none of it on this rank: no gradient (optimizers skip it)
@@ -331,15 +534,17 @@ class FlatParamHandle(GroupMember):
         return False
 
     def discard_grads(self) -> None:
+        self._hide_kept_grad()
         self._pop_unsharded_grad()
         self.unsharded_accumulated_grad = None
 
 
 def _assign_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
-    """``param.grad = grad``, also for a low-precision gradient on a full-precision param."""
-    if grad.dtype == param.dtype:
+    """``param.grad = grad``, also for a gradient of another dtype (low precision), shape or
+    device (kept unsharded while gradient sync is off)."""
+    if (grad.dtype, grad.shape, grad.device) == (param.dtype, param.shape, param.device):
         param.grad = grad
-    else:  # ``.grad`` must match the param's dtype on assignment; ``.data`` need not
+    else:  # ``.grad`` must match the param on assignment; ``.data`` need not
         param.grad = torch.empty_like(param)
         param.grad.data = grad
 

@@ -279,26 +279,18 @@ class _FullParams:
 
     # -- what the module shows ----------------------------------------------------------
 
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        layout = self.handle.layout
-        return [
-            flat.narrow(0, offset, numel).view(shape)
-            for offset, numel, shape in zip(layout.param_offsets, layout.numels, layout.shapes)
-        ]
-
     def show(self, *, offload_to_cpu: bool) -> None:
         handle = self.handle
         shown = self.flat.detach()
         if offload_to_cpu and shown.device.type != "cpu":
             self.cpu_copy = shown = shown.to("cpu")
-        views = self._views(shown)
-        grad_views = self._views(self.grad_flat) if self.grad_flat is not None else None
+        views = handle.full_views(shown)
+        grad_views = handle.full_views(self.grad_flat) if self.grad_flat is not None else None
         if not handle.use_orig_params:
             wrapped = self.instance.module  # holds the flat parameter
             self.saved_flat_entries = list(wrapped._parameters.items())
             wrapped._parameters.pop("_flat_param", None)
-        for i, slots in enumerate(handle.slots):
-            trainable = handle.trainable[i]
+        for i, (slots, trainable) in enumerate(zip(handle.slots, handle.trainable)):
             if handle.use_orig_params:
                 param = handle.orig_params[i]
                 self.saved_grads.append(param.grad)
@@ -325,11 +317,11 @@ class _FullParams:
             start = self.rank * handle.shard_numel
             grad_chunk = self.grad_flat.narrow(0, start, handle.shard_numel)
         if handle.use_orig_params:
-            for i, param in enumerate(handle.orig_params):
+            for i, (param, trainable) in enumerate(zip(handle.orig_params, handle.trainable)):
                 param.grad = None
                 param.data = handle.orig_piece(handle.local_shard, i)
                 grad = self.saved_grads[i]
-                if grad_chunk is not None and handle.trainable[i] and param.numel():
+                if grad_chunk is not None and trainable and param.numel():
                     piece = handle._shard_piece(grad_chunk, i)
                     grad = piece.clone() if grad is None else grad.view(-1).copy_(piece)
                 if grad is not None:

@@ -206,6 +206,7 @@ class FullyShardedDataParallel(nn.Module):
             use_orig_params=self._use_orig_params,
             offload=offload,
             fqn_prefix=f"{WRAPPED_MODULE}.",
+            owner=f"FullyShardedDataParallel({type(self.module).__name__})",
             pad_multiple=mesh_info.replicate_size if unsharded else None,
         )
         handle.post_backward_hook = self._post_backward
@@ -263,6 +264,45 @@ class FullyShardedDataParallel(nn.Module):
 
     def __getitem__(self, key: int) -> Any:
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
+        """``nn.Module._apply`` (behind ``to()``, ``half()``, ``to_empty()``) with the move
+        landing on the flat parameter (see [Note: moving a wrapped model] in flat_param)."""
+        handle, group = self._handle, self._group
+        if handle is None:
+            return super()._apply(fn, recurse)
+        result, moved = self._apply_to_flat_param(fn, recurse)
+        if not handle.is_local_shard(moved):
+            if group.training_state is not TrainingState.IDLE:
+                raise RuntimeError(
+                    f"{group.name} cannot move its parameters in "
+                    f"{group.training_state.name}; move the model between iterations"
+                )
+            group.reshard()  # buffers gathered in the old dtype go
+            handle.follow_flat_param(moved, fn)
+        return result
+
+    def _apply_to_flat_param(self, fn, recurse: bool) -> tuple[Any, torch.Tensor]:
+        """``nn.Module._apply`` with the flat parameter registered (with
+        ``use_orig_params=True`` in place of the originals, which view it), so that a move
+        changes its data alone. Returns the result and the flat parameter's moved data:
+        ``_apply`` registers a new parameter for a move across tensor types (to meta, say),
+        so ours is registered again afterwards."""
+        module, handle = self.module, self._handle
+        if self._use_orig_params:
+            handle.hide_originals()
+            module._parameters[FLAT_PARAM] = module.__dict__.pop(FLAT_PARAM)
+        try:
+            result = super()._apply(fn, recurse)
+            moved = module._parameters[FLAT_PARAM].data
+        finally:
+            module._parameters.pop(FLAT_PARAM)
+            if self._use_orig_params:
+                module.__dict__[FLAT_PARAM] = handle.flat_param
+                handle.show_sharded()
+            else:
+                module._parameters[FLAT_PARAM] = handle.flat_param
+        return result, moved
 
     def check_is_root(self) -> bool:
         self._lazy_init()
@@ -580,6 +620,9 @@ class FullyShardedDataParallel(nn.Module):
             end_backward([i._group for i in ctx.instances if i._group is not None], ctx.comm)
             for instance in ctx.instances:
                 instance.training_state = TrainingState.IDLE
+                if instance._use_orig_params and instance._handle is not None:
+                    # Groups kept unsharded for the next backward (no_sync) show shards too.
+                    instance._handle.show_sharded()
             ctx.post_forward_order.clear()
         finally:
             ctx.final_callback_queued = False
@@ -632,7 +675,11 @@ class FullyShardedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally, with no communication, until the context exits."""
+        """Accumulate gradients locally, with no communication, until the context exits.
+
+        Meanwhile ``.grad`` shows this rank's own gradient, unsharded (see [Note: gradients
+        kept while sync is off] in flat_param): under the sharded strategies step the
+        optimizer only after a backward outside the context, which reduces it."""
         self._lazy_init()
         if not self._is_root:
             raise RuntimeError("no_sync() must be called on the root FullyShardedDataParallel")
