@@ -83,15 +83,17 @@ def prime(names: list[str], options: Options, base: nn.Module) -> None:
 
 
 def announce(rank: int, config: dict[str, Any], line: str, record: dict[str, Any]) -> None:
-    """On rank 0: print ``line``, and append ``record`` to ``config["progress_path"]`` (when
-    set), where the launching process finds what finished if the run is interrupted."""
+    """On rank 0: append ``record`` to ``config["progress_path"]`` (when set), where the
+    launching process finds what finished if the run is interrupted, then print ``line``.
+    In that order: whoever reads the line and stops the run finds the record kept (the
+    line first, a stop in between lost it)."""
     if rank != 0:
         return
-    print(line, flush=True)
     path = config.get("progress_path")
     if path:
         with open(path, "a") as file:
             file.write(json.dumps(record) + "\n")
+    print(line, flush=True)
 
 
 def run_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
