@@ -260,16 +260,9 @@ def ignored_sets(
     wrapper_cls: type,
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     """Modules (with their subtrees) and parameters the instance never shards."""
-    if ignored_modules is not None and ignored_states is not None:
-        raise ValueError("pass ignored_modules or ignored_states, not both")
-    items = list(ignored_states if ignored_states is not None else ignored_modules or ())
-    params = {x for x in items if isinstance(x, nn.Parameter)}
+    items = _ignored_items(ignored_modules, ignored_states)
     roots = [x for x in items if isinstance(x, nn.Module)]
-    if params and roots or len(params) + len(roots) != len(items):
-        raise ValueError(
-            "ignored_states must be all nn.Parameters or all nn.Modules, got "
-            f"{sorted({type(x).__name__ for x in items})}"
-        )
+    params = {x for x in items if isinstance(x, nn.Parameter)}
     modules: set[nn.Module] = set()
     for root in roots:
         for sub in root.modules():
@@ -278,9 +271,48 @@ def ignored_sets(
                     f"an ignored module may not contain {wrapper_cls.__name__} instances"
                 )
             modules.add(sub)
+    if module in modules:
+        warnings.warn(
+            "Trying to ignore the top-level module passed into the FSDP constructor itself "
+            f"will result in all parameters being ignored: every parameter of the "
+            f"{type(module).__name__} stays unsharded and {wrapper_cls.__name__} has nothing "
+            "to manage; wrap a parent module instead, or ignore only some children",
+            stacklevel=3,
+        )
     for sub in modules:
         params.update(sub.parameters(recurse=False))
     return modules, params
+
+
+def _ignored_items(ignored_modules: Any, ignored_states: Any) -> list[Any]:
+    """The one ignore argument given, as a list: all modules, or (``ignored_states`` only)
+    all parameters."""
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError(
+            "Cannot pass both ignored_modules and ignored_states at the same time; pass only "
+            "ignored_states, which takes modules or parameters"
+        )
+    name = "ignored_states" if ignored_states is not None else "ignored_modules"
+    given = ignored_states if ignored_states is not None else ignored_modules
+    try:
+        items = list(given or ())
+    except TypeError:
+        kinds = "nn.Modules or of nn.Parameters" if name == "ignored_states" else "nn.Modules"
+        raise TypeError(f"{name} must be an iterable of {kinds}, got {_describe(given)}") from None
+    types = sorted({type(x) for x in items}, key=repr)
+    if name == "ignored_modules" and not all(isinstance(x, nn.Module) for x in items):
+        raise ValueError(
+            f"ignored_modules expects nn.Module list elements but got types {types}; to "
+            "ignore single parameters pass them as ignored_states"
+        )
+    is_param = [isinstance(x, nn.Parameter) for x in items]
+    is_module = [isinstance(x, nn.Module) for x in items]
+    if not (all(is_param) or all(is_module)):
+        raise ValueError(
+            "ignored_states expects all nn.Parameter or all nn.Module list elements but got "
+            f"types {types}; pass either the modules or their parameters"
+        )
+    return items
 
 
 def materialize(

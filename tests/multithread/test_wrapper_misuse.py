@@ -156,3 +156,59 @@ class TestWrapperHybridGroups(FSDPTestMultiThread):
             FullyShardedDataParallel(
                 nn.Linear(4, 4), sharding_strategy=HYBRID_SHARD, process_group=(shard, shard)
             )
+
+
+class TestWrapperIgnoredArguments(FSDPTestMultiThread):
+    """``ignored_modules`` / ``ignored_states`` are checked as torch's wrapper checks them,
+    with torch's wording (its tests match it) and what to do instead."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+
+    def test_wrong_kinds_of_ignored_things(self):
+        for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
+            model = self._model()
+            params = list(model[1].parameters())
+            modules = list(model[1].children())
+            cases = [
+                ({"ignored_modules": params}, r"ignored_modules expects nn.Module list elements"),
+                (
+                    {"ignored_modules": modules, "ignored_states": params},
+                    "Cannot pass both ignored_modules and ignored_states at the same time",
+                ),
+                (
+                    {"ignored_states": [modules[0], *params]},
+                    r"ignored_states expects all nn.Parameter or all nn.Module list elements "
+                    r"but got types \[<class 'torch.nn.modules.linear.Linear'>, "
+                    r"<class 'torch.nn.parameter.Parameter'>\]",
+                ),
+            ]
+            for kwargs, message in cases:
+                with self.subTest(wrapper=wrapper_cls.__name__, kwargs=list(kwargs)):
+                    with pytest.raises(ValueError, match=message):
+                        wrapper_cls(model, **kwargs, **extra)
+        with pytest.raises(TypeError, match="ignored_modules must be an iterable"):
+            FullyShardedDataParallel(self._model(), ignored_modules=3)
+
+
+class TestWrapperWarningsOnOneRank(FSDPTestMultiThread):
+    """Warnings, checked on one rank: ranks in threads share the process's warning filters,
+    so two ranks catching warnings at once can each undo the other's filter."""
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def test_ignoring_the_root_module_warns(self):
+        for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
+            model = nn.Sequential(nn.Linear(4, 4))
+            with self.assertWarnsRegex(
+                UserWarning,
+                "Trying to ignore the top-level module passed into the FSDP constructor itself "
+                "will result in all parameters being ignored",
+            ):
+                wrapper_cls(model, ignored_modules=[model], **extra)
