@@ -107,6 +107,7 @@ class FullyShardedDataParallel(nn.Module):
             mixed_precision=mixed_precision,
             device_mesh=device_mesh,
             process_group=process_group,
+            param_init_fn=param_init_fn,
         )
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         device = setup.compute_device(module, device_id, process_group, device_mesh)

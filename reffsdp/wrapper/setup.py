@@ -38,7 +38,7 @@ def check_arguments(module: Any, wrapper_cls: type, **arguments: Any) -> None:
     """Refuse a module that cannot be wrapped and arguments of the wrong type, by name.
 
     ``arguments`` are the constructor's keyword arguments named in ``_ARGUMENT_TYPES``
-    (each may be ``None``) and ``process_group``.
+    (each may be ``None``), ``process_group`` and ``param_init_fn``.
     """
     if isinstance(module, wrapper_cls):
         raise ValueError(
@@ -52,13 +52,29 @@ def check_arguments(module: Any, wrapper_cls: type, **arguments: Any) -> None:
     for name, value in arguments.items():
         if name == "process_group":
             _check_process_group(value)
-            continue
-        expected = _ARGUMENT_TYPES[name]
-        if value is not None and not isinstance(value, expected):
-            where = "reffsdp" if expected.__module__.startswith("reffsdp") else expected.__module__
-            raise TypeError(
-                f"{name} must be a {where}.{expected.__name__} or None, got {_describe(value)}"
-            )
+        elif name == "param_init_fn":
+            _check_param_init_fn(value)
+        else:
+            _check_type(name, value)
+
+
+def _check_type(name: str, value: Any) -> None:
+    expected = _ARGUMENT_TYPES[name]
+    if value is not None and not isinstance(value, expected):
+        where = "reffsdp" if expected.__module__.startswith("reffsdp") else expected.__module__
+        raise TypeError(
+            f"{name} must be a {where}.{expected.__name__} or None, got {_describe(value)}"
+        )
+
+
+def _check_param_init_fn(value: Any) -> None:
+    """torch checks only when a module is on the meta device; a wrong one is wrong anyway."""
+    if value is not None and not callable(value):
+        raise ValueError(
+            f"Expected param_init_fn to be callable but got {_describe(value)}: pass a "
+            "function that takes a module and gives its meta-device parameters and buffers "
+            "real storage and values, or None"
+        )
 
 
 def _check_process_group(value: Any) -> None:

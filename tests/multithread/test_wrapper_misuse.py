@@ -212,3 +212,17 @@ class TestWrapperWarningsOnOneRank(FSDPTestMultiThread):
                 "will result in all parameters being ignored",
             ):
                 wrapper_cls(model, ignored_modules=[model], **extra)
+
+
+class TestWrapperArgumentValues(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_param_init_fn_must_be_callable(self):
+        for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
+            with pytest.raises(ValueError, match="to be callable"):
+                wrapper_cls(nn.Linear(4, 4, device="meta"), param_init_fn=42, **extra)
+        # torch takes it silently when nothing is on the meta device; it is wrong anyway.
+        with pytest.raises(ValueError, match="Expected param_init_fn to be callable but got int"):
+            FullyShardedDataParallel(nn.Linear(4, 4), param_init_fn=42)
