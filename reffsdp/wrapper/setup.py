@@ -56,6 +56,8 @@ def check_arguments(module: Any, wrapper_cls: type, **arguments: Any) -> None:
             _check_param_init_fn(value)
         else:
             _check_type(name, value)
+    if arguments.get("mixed_precision") is not None:
+        _check_dtypes(arguments["mixed_precision"])
 
 
 def _check_type(name: str, value: Any) -> None:
@@ -65,6 +67,16 @@ def _check_type(name: str, value: Any) -> None:
         raise TypeError(
             f"{name} must be a {where}.{expected.__name__} or None, got {_describe(value)}"
         )
+
+
+def _check_dtypes(mixed_precision: MixedPrecision) -> None:
+    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        value = getattr(mixed_precision, name)
+        if value is not None and not isinstance(value, torch.dtype):
+            raise TypeError(
+                f"MixedPrecision's {name} must be torch.dtype (such as torch.bfloat16) or "
+                f"None, got {_describe(value)}"
+            )
 
 
 def _check_param_init_fn(value: Any) -> None:

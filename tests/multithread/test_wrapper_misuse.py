@@ -117,6 +117,14 @@ class TestWrapperMisuse(FSDPTestMultiThread):
             ({"cpu_offload": True}, "cpu_offload must be a reffsdp.CPUOffload"),
             ({"mixed_precision": {"param_dtype": torch.float16}}, "mixed_precision must be"),
             ({"backward_prefetch": "BACKWARD_PRE"}, "backward_prefetch must be"),
+            # torch fails deep inside: "argument 'dtype' must be torch.dtype, not str" or
+            # "Invalid device string", depending on the field.
+            (
+                {"mixed_precision": MixedPrecision(param_dtype="bfloat16")},
+                "param_dtype must be torch.dtype .* got str 'bfloat16'",
+            ),
+            ({"mixed_precision": MixedPrecision(reduce_dtype=16)}, "reduce_dtype must be"),
+            ({"mixed_precision": MixedPrecision(buffer_dtype="fp32")}, "buffer_dtype must be"),
             ({"process_group": 3}, "process_group must be a ProcessGroup"),
             ({"device_mesh": "cpu"}, "device_mesh must be a torch.distributed"),
         ]
