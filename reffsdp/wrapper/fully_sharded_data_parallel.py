@@ -109,6 +109,7 @@ class FullyShardedDataParallel(nn.Module):
             process_group=process_group,
             param_init_fn=param_init_fn,
         )
+        setup.check_hybrid_groups(sharding_strategy, process_group, device_mesh, auto_wrap_policy)
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         device = setup.compute_device(module, device_id, process_group, device_mesh)
         mesh_info = setup.mesh_info_for_strategy(strategy, process_group, device_mesh, device)

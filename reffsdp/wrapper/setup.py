@@ -60,6 +60,21 @@ def check_arguments(module: Any, wrapper_cls: type, **arguments: Any) -> None:
         _check_dtypes(arguments["mixed_precision"])
 
 
+def check_hybrid_groups(
+    strategy: ShardingStrategy | None, process_group: Any, device_mesh: Any, auto_wrap_policy: Any
+) -> None:
+    """Hybrid instances wrapped by hand must be handed their groups: built per instance,
+    nothing would make them agree. An auto-wrapping root builds them once for all."""
+    given = (process_group, device_mesh, auto_wrap_policy)
+    if strategy in HYBRID and all(x is None for x in given):
+        raise ValueError(
+            f"Manual wrapping with {strategy} requires explicit specification of process "
+            "group or device_mesh: pass process_group=(shard_group, replicate_group) or a 2-D "
+            "device_mesh, the same to every instance, or wrap with an auto_wrap_policy, "
+            "which builds the groups once for every instance it creates"
+        )
+
+
 def _check_type(name: str, value: Any) -> None:
     expected = _ARGUMENT_TYPES[name]
     if value is not None and not isinstance(value, expected):

@@ -86,6 +86,16 @@ class TestWrapperMisuse(FSDPTestMultiThread):
                         **kwargs,
                         **_TORCH_CPU,
                     )
+        # Wrapped by hand, each instance would build its own groups.
+        for wrapper_cls, strategies, extra in (
+            (FullyShardedDataParallel, ShardingStrategy, {}),
+            (TorchFSDP, TorchShardingStrategy, _TORCH_CPU),
+        ):
+            for strategy in (strategies.HYBRID_SHARD, strategies._HYBRID_SHARD_ZERO2):
+                with pytest.raises(
+                    ValueError, match="requires explicit specification of process group"
+                ):
+                    wrapper_cls(nn.Linear(4, 4), sharding_strategy=strategy, **extra)
         # torch accepts these two pairs silently; neither tiles two ranks.
         with pytest.raises(ValueError, match="must cover the world"):
             FullyShardedDataParallel(
