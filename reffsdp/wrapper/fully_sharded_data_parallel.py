@@ -412,9 +412,10 @@ class FullyShardedDataParallel(nn.Module):
         """The first instance to run forward becomes the root of every instance below it."""
         if self._is_root is not None:
             return
+        instances = FullyShardedDataParallel.fsdp_modules(self)
+        _refuse_optimizer_in_backward(instances)
         self._is_root = True
         ctx = RootContext()
-        instances = FullyShardedDataParallel.fsdp_modules(self)
         for instance in instances[1:]:
             if instance._is_root is not None:
                 raise RuntimeError(
@@ -704,6 +705,30 @@ class FullyShardedDataParallel(nn.Module):
         """Clip the gradients of the whole model in place (root only; every rank must call
         it); return the total norm, as for the unsharded model."""
         return full_params.clip_grad_norm(self, max_norm, norm_type)
+
+
+def _refuse_optimizer_in_backward(instances: list[FullyShardedDataParallel]) -> None:
+    """Parameters handed to ``torch.distributed.optim._apply_optimizer_in_backward`` carry an
+    ``_in_backward_optimizers`` attribute. On flat parameters torch's wrapper refuses them;
+    on original parameters it steps them in its post-backward, which ours does not: their
+    gradients are set after the reduction, so those optimizers would never step."""
+    for instance in instances:
+        handle = instance._handle
+        if handle is None:
+            continue
+        name = f"FullyShardedDataParallel({type(instance.module).__name__})"
+        if hasattr(handle.flat_param, "_in_backward_optimizers"):
+            raise RuntimeError(
+                "FSDP optimizer in backward only supported with use_orig_params=True: the "
+                f"flat parameter of {name} was given to an optimizer that steps in backward; "
+                "wrap with use_orig_params=True, or step an ordinary optimizer after backward"
+            )
+        if any(hasattr(p, "_in_backward_optimizers") for p in handle.orig_params):
+            raise NotImplementedError(
+                f"parameters of {name} were given to an optimizer that steps in backward, "
+                "which reffsdp's wrapper does not run (torch's does with "
+                "use_orig_params=True); step an ordinary optimizer after backward"
+            )
 
 
 FullyShardedDataParallel.__module__ = "reffsdp"

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
+from torch.distributed.optim import _apply_optimizer_in_backward
 
 from reffsdp import (
     BackwardPrefetch,
@@ -244,3 +245,21 @@ class TestWrapperArgumentValues(FSDPTestMultiThread):
         # torch takes it silently when nothing is on the meta device; it is wrong anyway.
         with pytest.raises(ValueError, match="Expected param_init_fn to be callable but got int"):
             FullyShardedDataParallel(nn.Linear(4, 4), param_init_fn=42)
+
+    def test_optimizer_in_backward_needs_use_orig_params(self):
+        for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
+            model = wrapper_cls(
+                nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+                auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                **extra,
+            )
+            _apply_optimizer_in_backward(
+                torch.optim.SGD, model.parameters(), {"lr": 0.1}, register_hook=False
+            )
+            with pytest.raises(RuntimeError, match="only supported with use_orig_params=True"):
+                model(torch.ones(2, 4))
+        # torch steps these optimizers in its post-backward; ours would never step them.
+        model = FullyShardedDataParallel(nn.Linear(4, 4), use_orig_params=True)
+        _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+        with pytest.raises(NotImplementedError, match="optimizer that steps in backward"):
+            model(torch.ones(2, 4))
