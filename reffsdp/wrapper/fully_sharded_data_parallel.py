@@ -413,6 +413,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._is_root is not None:
             return
         instances = FullyShardedDataParallel.fsdp_modules(self)
+        _refuse_stand_in_groups(instances)
         _refuse_optimizer_in_backward(instances)
         self._is_root = True
         ctx = RootContext()
@@ -705,6 +706,18 @@ class FullyShardedDataParallel(nn.Module):
         """Clip the gradients of the whole model in place (root only; every rank must call
         it); return the total norm, as for the unsharded model."""
         return full_params.clip_grad_norm(self, max_norm, norm_type)
+
+
+def _refuse_stand_in_groups(instances: list[FullyShardedDataParallel]) -> None:
+    """Forward, backward, summoning and state dicts communicate: a stand-in cannot."""
+    for instance in instances:
+        if isinstance(instance._mesh_info.mesh, setup.StandInMesh):
+            raise TypeError(
+                f"FullyShardedDataParallel({type(instance.module).__name__}) was built over "
+                f"a stand-in process group ({type(instance.process_group).__name__}, with "
+                "rank() and size() only), which decides sharding and wrapping but cannot "
+                "communicate; build it over a torch.distributed ProcessGroup to run it"
+            )
 
 
 def _refuse_optimizer_in_backward(instances: list[FullyShardedDataParallel]) -> None:

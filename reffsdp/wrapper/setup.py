@@ -11,6 +11,7 @@ import hashlib
 import os
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -108,10 +109,44 @@ def _check_process_group(value: Any) -> None:
     groups = value if isinstance(value, tuple) else (value,)
     if value is None or all(isinstance(g, dist.ProcessGroup) for g in groups):
         return
+    answers = all(callable(getattr(value, method, None)) for method in ("rank", "size"))
+    if is_stand_in(value) and answers:
+        return
     raise TypeError(
         "process_group must be a ProcessGroup, a (shard_group, replicate_group) pair of them "
-        f"for a hybrid strategy, or None, got {_describe(value)}"
+        "for a hybrid strategy, an object with rank() and size() to decide sharding and "
+        f"wrapping without communicating, or None, got {_describe(value)}"
     )
+
+
+def is_stand_in(process_group: Any) -> bool:
+    """Whether ``process_group`` stands in for a group: neither ``None``, a ProcessGroup
+    nor a hybrid pair (``check_arguments`` makes sure it answers ``rank()`` and ``size()``).
+    torch's tests pass one to check wrapping decisions with no process group initialized;
+    instances built over one never communicate."""
+    return process_group is not None and not isinstance(process_group, (dist.ProcessGroup, tuple))
+
+
+@dataclass(frozen=True)
+class StandInMesh:
+    """A 1-D mesh over a stand-in group: it answers what :class:`MeshInfo` asks of a mesh
+    (group, size and local rank of its one dim) from the group's ``rank()`` and ``size()``."""
+
+    group: Any
+    device_type: str
+    ndim: int = 1
+
+    def get_group(self, mesh_dim: int = 0) -> Any:
+        return self.group
+
+    def size(self, mesh_dim: int = 0) -> int:
+        return self.group.size()
+
+    def get_local_rank(self, mesh_dim: int = 0) -> int:
+        return self.group.rank()
+
+    def get_rank(self) -> int:
+        return self.group.rank()
 
 
 def _describe(value: Any) -> str:
@@ -167,12 +202,14 @@ def _collectives_on_cpu(process_group: Any, device_mesh: DeviceMesh | None) -> b
         return device_mesh.device_type == "cpu"
     if isinstance(process_group, tuple):  # hybrid: (intra-node, inter-node)
         process_group = process_group[0]
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        return False  # a stand-in group (rank() and size() only): no backend to ask
+    if is_stand_in(process_group):
+        return False  # no backend to ask
     return dist.is_initialized() and dist.get_backend(process_group) == "gloo"
 
 
-def _mesh_of(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
+def _mesh_of(group: Any, device_type: str) -> DeviceMesh | StandInMesh:
+    if is_stand_in(group):
+        return StandInMesh(group, device_type)
     return DeviceMesh.from_group(group, device_type)
 
 
@@ -191,7 +228,7 @@ def mesh_info_for_strategy(
         raise ValueError(
             "FullyShardedDataParallel takes a process_group or a device_mesh, not both"
         )
-    if not dist.is_initialized():
+    if not dist.is_initialized() and not is_stand_in(process_group):
         dist.init_process_group()
     device_type = device.type
     if strategy in HYBRID:
