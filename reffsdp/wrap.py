@@ -19,7 +19,8 @@ shallow copy of the root's kwargs (a :class:`CustomPolicy` dict overrides keys p
 With ``mixed_precision`` set, instances of ``mixed_precision._module_classes_to_ignore``
 (batch norm by default) are wrapped on their own with ``mixed_precision=None``, and forward
 hooks run them in fp32: inputs are cast up before their forward and outputs back to the
-inputs' dtype after. A warning names the classes.
+inputs' dtype after. Their buffers stay in full precision too: the root casts each
+instance's buffers to that instance's own ``buffer_dtype``. A warning names the classes.
 """
 
 from __future__ import annotations

@@ -431,13 +431,20 @@ class FullyShardedDataParallel(nn.Module):
                 instance._group.bind(ctx.comm)
         if self._group is not None and self.sharding_strategy in _RESHARD_AFTER_FORWARD:
             self._group.configure(reshard_after_forward=False)  # backward needs it at once
+        for instance in instances:
+            instance._cast_buffers()
+
+    def _cast_buffers(self) -> None:
+        """Floating buffers of this instance's own modules to its ``buffer_dtype``: each
+        instance's own setting, so batch norm wrapped with mixed precision off stays fp32
+        (see [Note: mixed precision skips batch norm] in wrap.py)."""
         mp = self.mixed_precision
-        if mp is not None and mp.buffer_dtype is not None:
-            for instance in instances:
-                for sub in instance._own_modules():
-                    for name, buffer in sub.named_buffers(recurse=False, remove_duplicate=False):
-                        if buffer.is_floating_point():
-                            setattr(sub, name, buffer.to(mp.buffer_dtype))
+        if mp is None or mp.buffer_dtype is None:
+            return
+        for sub in self._own_modules():
+            for name, buffer in sub.named_buffers(recurse=False, remove_duplicate=False):
+                if buffer.is_floating_point():
+                    setattr(sub, name, buffer.to(mp.buffer_dtype))
 
     def _own_modules(self) -> list[nn.Module]:
         return setup._unwrapped_modules(

@@ -375,10 +375,10 @@ def _post_state_dict_hook(
 def _restore_buffer_dtypes(
     instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str
 ) -> None:
-    """Full and sharded state dicts hold buffers in the dtype they had before the root's
-    ``MixedPrecision.buffer_dtype`` cast them, as torch's do (local ones keep the cast)."""
-    roots = instance._root_ctx.instances
-    mixed_precision = roots[0].mixed_precision if roots else None
+    """Full and sharded state dicts hold buffers in the dtype they had before the
+    instance's ``MixedPrecision.buffer_dtype`` cast them, as torch's do (local ones keep the
+    cast)."""
+    mixed_precision = instance.mixed_precision
     buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
     if buffer_dtype is None:
         return

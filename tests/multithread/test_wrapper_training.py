@@ -486,6 +486,42 @@ class TestWrapperFeatures(FSDPTestMultiThread):
             ours(torch.randn(2, 4)).sum().backward()
             self.assertEqual(repr(ours), repr(theirs))
 
+    def test_batch_norm_keeps_full_precision_like_torch(self):
+        """Under an auto-wrap policy with low-precision buffers, batch norm is wrapped with
+        mixed precision off: its running statistics stay fp32 and it computes in fp32."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+        from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+
+        from reffsdp.wrap import ModuleWrapPolicy
+
+        low = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        low["buffer_dtype"] = torch.bfloat16
+        sides = (
+            (FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, {}),
+            (TorchFSDP, TorchMixedPrecision, TorchModuleWrapPolicy, {"device_id": "cpu"}),
+        )
+        base = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+        self.sync_module_states(base)
+        seen = []
+        for wrapper_cls, mp_cls, policy_cls, extra in sides:
+            model = copy.deepcopy(base)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # both name the batch norm they wrap alone
+                wrapped = wrapper_cls(
+                    model,
+                    mixed_precision=mp_cls(**low),
+                    auto_wrap_policy=policy_cls({nn.Linear}),
+                    **extra,
+                )
+            out = wrapped(torch.arange(12.0).view(3, 4) / 10 + self.rank)
+            out.sum().backward()
+            norm = wrapped.module[1].module
+            seen.append((out.dtype, norm.running_mean.dtype, norm.running_var.dtype, out))
+        self.assertEqual(seen[0][:3], (torch.bfloat16, torch.float32, torch.float32))
+        self.assertEqual(seen[0][:3], seen[1][:3])
+        torch.testing.assert_close(seen[0][3], seen[1][3])
+
     def test_tied_weights(self):
         self.run_subtests(
             {"strategy": [S.FULL_SHARD, S.SHARD_GRAD_OP], "use_orig_params": [False, True]},
