@@ -145,20 +145,27 @@ def _check_options(
         )
 
 
-def _check_idle(instance: FullyShardedDataParallel) -> None:
+def _busy_state(instance: FullyShardedDataParallel) -> str | None:
+    """What keeps ``instance`` from unsharding by hand now, by name, or ``None``."""
     group = instance._group
     if instance._summoning:
+        return "SUMMON_FULL_PARAMS"
+    if instance.training_state is not TrainingState.IDLE:
+        return instance.training_state.name
+    if group is not None and group.training_state is not TrainingState.IDLE:
+        return group.training_state.name
+    if instance._root_ctx.final_callback_queued:
+        return "BACKWARD"
+    return None
+
+
+def _check_idle(instance: FullyShardedDataParallel) -> None:
+    state = _busy_state(instance)
+    if state == "SUMMON_FULL_PARAMS":
         raise AssertionError(
             f"Cannot manually unshard parameters when already unsharding parameters: "
             f"{_name(instance)} is already inside summon_full_params"
         )
-    state = None
-    if instance.training_state is not TrainingState.IDLE:
-        state = instance.training_state.name
-    elif group is not None and group.training_state is not TrainingState.IDLE:
-        state = group.training_state.name
-    elif instance._root_ctx.final_callback_queued:
-        state = "BACKWARD"
     if state is not None:
         raise AssertionError(
             f"Cannot manually unshard parameters during forward/backward: {_name(instance)} "
@@ -348,6 +355,13 @@ def apply(instance: FullyShardedDataParallel, fn: Any, apply_module: Any) -> Any
     from .fully_sharded_data_parallel import _RESHARD_AFTER_FORWARD as RESHARD_AFTER_FORWARD
     from .fully_sharded_data_parallel import FullyShardedDataParallel
 
+    state = _busy_state(instance)
+    if state is not None:
+        raise ValueError(
+            f"apply() on {_name(instance)} expected to be in states [IDLE] but current state "
+            f"is {state}: apply() gathers the full parameters itself, so call it outside "
+            "summon_full_params, forward and backward"
+        )
     uninitialized = instance._is_root is None
     options = dict(writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False)
     with summon_one(instance, **options):

@@ -389,6 +389,14 @@ class TestWrapperUtilities(FSDPTestMultiThread):
         _assert_equal(model(_input(self.rank)), ref(_input(self.rank)))
         self.assertTrue(model._is_root)
 
+    def test_apply_inside_summon_full_params_is_a_value_error_like_torch(self):
+        for cls in (FSDP, TorchFSDP):
+            model = _wrap(_reference(), cls)
+            with cls.summon_full_params(model):
+                with pytest.raises(ValueError, match="expected to be in states"):
+                    model.apply(lambda module: None)
+            model.apply(lambda module: None)  # outside: fine
+
     def test_forward_input_casting_matches_torch(self):
         self.run_subtests(
             {"cast_forward_inputs": [False, True], "cast_root_forward_inputs": [False, True]},
