@@ -316,7 +316,7 @@ class _FullParams:
             if grad_views is not None and trainable:
                 _assign_grad(param, grad_views[i])
             for slot in slots:
-                _set_tensor(slot, param)
+                _set_tensor(slot, param, unsafe=handle.unsafe_setattr)
 
     def hide(self, *, writeback: bool) -> None:
         handle = self.handle

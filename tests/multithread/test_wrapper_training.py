@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
+import os
 import warnings
 
 import pytest
@@ -566,6 +568,37 @@ class TestWrapperOnOneRank(FSDPTestMultiThread):
             blocks_model(), sharding_strategy=S.HYBRID_SHARD, device_mesh=mesh
         )
         self.assertIs(hybrid.sharding_strategy, S.HYBRID_SHARD)
+
+    def test_unsafe_setattr_environment_variable_like_torch(self):
+        """Original parameters are shown through the module's ``__setattr__`` unless
+        FSDP_USE_UNSAFE_SETATTR=1 at construction (one rank: the environment is shared)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+        calls = []
+
+        class SetattrLinear(nn.Linear):
+            def __setattr__(self, name, value):
+                calls.append(name)
+                super().__setattr__(name, value)
+
+        sides = ((FullyShardedDataParallel, {}), (TorchFSDP, {"device_id": "cpu"}))
+        previous = os.environ.pop("FSDP_USE_UNSAFE_SETATTR", None)
+        try:
+            for setting, expect_calls in ((None, True), ("1", False), ("0", True)):
+                if setting is not None:
+                    os.environ["FSDP_USE_UNSAFE_SETATTR"] = setting
+                for (wrapper_cls, extra), use_orig_params in itertools.product(sides, [0, 1]):
+                    model = wrapper_cls(
+                        SetattrLinear(4, 4), use_orig_params=bool(use_orig_params), **extra
+                    )
+                    calls.clear()
+                    model(torch.ones(2, 4))
+                    where = (setting, wrapper_cls.__name__, use_orig_params)
+                    self.assertEqual("weight" in calls, expect_calls, where)
+        finally:
+            os.environ.pop("FSDP_USE_UNSAFE_SETATTR", None)
+            if previous is not None:
+                os.environ["FSDP_USE_UNSAFE_SETATTR"] = previous
 
 
 class TiedStack(nn.Module):
