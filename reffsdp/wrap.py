@@ -296,9 +296,10 @@ def _check_not_wrapped(root_module: nn.Module, wrapper_cls: Callable) -> None:
         if isinstance(module, wrapper_cls):
             where = f"the submodule {path!r}" if path else "the root module"
             raise ValueError(
-                f"auto wrapping needs a module tree with no {wrapper_cls.__name__} in it, but "
-                f"{where} is already a {wrapper_cls.__name__}; wrap either by hand or with "
-                "an auto_wrap_policy, not both"
+                "FSDP auto wrapping requires modules to not already have FSDP applied but "
+                f"found {path} in the {type(root_module).__name__} to wrap: {where} is already "
+                f"a {wrapper_cls.__name__}; wrap either by hand or with an auto_wrap_policy, "
+                "not both"
             )
 
 

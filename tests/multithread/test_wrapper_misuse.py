@@ -52,11 +52,19 @@ class TestWrapperMisuse(FSDPTestMultiThread):
             FullyShardedDataParallel(instance)
         # A parent of instances is how nesting is done by hand: fine without a policy...
         FullyShardedDataParallel(nn.Sequential(instance, nn.Linear(4, 4)))
-        # ...but auto wrapping refuses a tree that holds instances already, as torch does.
+        # ...but auto wrapping refuses a tree that holds instances already, as torch does,
+        # in its words.
         for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
-            parent = nn.Sequential(wrapper_cls(nn.Linear(4, 4), **extra), nn.Linear(4, 4))
-            with pytest.raises(ValueError, match="FSDP|FullyShardedDataParallel"):
-                wrapper_cls(parent, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), **extra)
+            for nested, path in ((False, "0"), (True, "0.1")):
+                inner = wrapper_cls(nn.Linear(4, 4), **extra)
+                child = nn.Sequential(nn.Linear(4, 4), inner) if nested else inner
+                parent = nn.Sequential(child, nn.Linear(4, 4))
+                with pytest.raises(
+                    ValueError,
+                    match="FSDP auto wrapping requires modules to not already have FSDP "
+                    f"applied but found {path} in",
+                ):
+                    wrapper_cls(parent, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), **extra)
 
     def test_no_sync_on_a_non_root(self):
         for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
