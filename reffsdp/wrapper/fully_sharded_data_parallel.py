@@ -609,24 +609,26 @@ class FullyShardedDataParallel(nn.Module):
         once, on the root, best before the first forward (a later registration applies from
         the next backward on); hybrid strategies take no hook.
         """
+        # torch's tests match the first two messages whole: our detail goes in a note.
         if not self.check_is_root():
-            raise AssertionError(
-                "register_comm_hook() can only be called on a root FullyShardedDataParallel "
-                "instance (the outermost one); it applies to every instance under the root"
+            raise _with_note(
+                AssertionError("register_comm_hook can only be called on a root instance."),
+                f"FullyShardedDataParallel({type(self.module).__name__}) is nested; call it on "
+                "the outermost instance, and the hook applies to every instance under it",
             )
         instances = self._root_ctx.instances
         for instance in instances:
             if instance.sharding_strategy in setup.HYBRID:
                 raise AssertionError(
-                    "communication hooks are not supported for hybrid strategies, got "
-                    f"{instance.sharding_strategy} on FullyShardedDataParallel("
-                    f"{type(instance.module).__name__})"
+                    "Communication hook is not supported for hybrid strategies: "
+                    f"FullyShardedDataParallel({type(instance.module).__name__}) runs "
+                    f"{instance.sharding_strategy}"
                 )
             group = instance._group
             if group is not None and group.settings.custom_reduction is not None:
-                raise AssertionError(
-                    "a communication hook is already registered; register_comm_hook() may "
-                    "be called once per root"
+                raise _with_note(
+                    AssertionError("A communication hook is already registered"),
+                    "register_comm_hook() may be called once per root",
                 )
         if not callable(hook):
             raise ValueError(f"the communication hook must be callable, got {type(hook).__name__}")
@@ -713,6 +715,14 @@ class FullyShardedDataParallel(nn.Module):
         """Clip the gradients of the whole model in place (root only; every rank must call
         it); return the total norm, as for the unsharded model."""
         return full_params.clip_grad_norm(self, max_norm, norm_type)
+
+
+def _with_note(error: Exception, note: str) -> Exception:
+    """``error`` with ``note`` shown below its message in tracebacks (Python 3.11 on), for
+    messages that must read exactly as torch's."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    return error
 
 
 def _refuse_stand_in_groups(instances: list[FullyShardedDataParallel]) -> None:
