@@ -385,8 +385,8 @@ def clip_grad_norm(
     root._lazy_init()
     if not root._is_root:
         raise RuntimeError(
-            f"clip_grad_norm_() should only be called on the root FullyShardedDataParallel, "
-            f"not on the nested {_name(root)}"
+            "clip_grad_norm_() should only be called on the root FSDP instance (the outermost "
+            f"FullyShardedDataParallel), not on the nested {_name(root)}"
         )
     if root._group is not None and root._group.training_state is not TrainingState.IDLE:
         raise ValueError("clip_grad_norm_() must be called outside forward and backward")
@@ -430,8 +430,9 @@ def clip_grad_norm(
         grad.mul_(coef.to(grad.device, grad.dtype))
     if not grads:
         warnings.warn(
-            f"clip_grad_norm_() on rank {root.rank} found no gradients; returning the total "
-            f"norm in {total.dtype}",
+            f"Called FSDP.clip_grad_norm_() on rank {root.rank} with no gradients -- returning "
+            f"the total norm in the default dtype {total.dtype}: no parameter under "
+            f"{_name(root)} has a gradient on this rank, so the gradients' dtype is unknown",
             stacklevel=3,
         )
         return total
