@@ -266,8 +266,9 @@ def _hybrid_mesh(process_group: Any, device_mesh: DeviceMesh | None, device_type
         return _intra_inter_node_mesh(device_type)
     if not (isinstance(process_group, tuple) and len(process_group) == 2):
         raise ValueError(
-            "a hybrid strategy takes process_group=(shard_group, replicate_group), a 2-D "
-            f"device_mesh, or neither; got {type(process_group).__name__}"
+            "Expected process_group to be passed in as either None or a (shard_group, "
+            "replicate_group) pair of ProcessGroups for a hybrid strategy, but got "
+            f"{_describe(process_group)}; a 2-D device_mesh works too"
         )
     shard_group, replicate_group = process_group
     shard_ranks = dist.get_process_group_ranks(shard_group)

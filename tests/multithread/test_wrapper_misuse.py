@@ -95,6 +95,19 @@ class TestWrapperMisuse(FSDPTestMultiThread):
                         **kwargs,
                         **_TORCH_CPU,
                     )
+        # One group where a hybrid strategy needs two: torch's test passes a policy too.
+        for wrapper_cls, strategies, extra in (
+            (FullyShardedDataParallel, ShardingStrategy, {}),
+            (TorchFSDP, TorchShardingStrategy, _TORCH_CPU),
+        ):
+            with pytest.raises(ValueError, match="Expected process_group to be passed in"):
+                wrapper_cls(
+                    nn.Sequential(nn.Linear(4, 4)),
+                    process_group=world,
+                    sharding_strategy=strategies.HYBRID_SHARD,
+                    auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                    **extra,
+                )
         # Wrapped by hand, each instance would build its own groups.
         for wrapper_cls, strategies, extra in (
             (FullyShardedDataParallel, ShardingStrategy, {}),
