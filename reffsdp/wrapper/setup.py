@@ -525,8 +525,8 @@ def strategy_for_group(strategy: ShardingStrategy, mesh_info: MeshInfo) -> Shard
         )
     elif strategy not in HYBRID and mesh_info.shard_size == 1:
         warnings.warn(
-            f"FullyShardedDataParallel uses `NO_SHARD` instead of {strategy} since the "
-            "world size is 1",
+            f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size "
+            "is 1: over one rank every parameter is whole anyway, so it only all-reduces",
             stacklevel=3,
         )
         return ShardingStrategy.NO_SHARD

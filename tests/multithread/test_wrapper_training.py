@@ -554,7 +554,11 @@ class TestWrapperOnOneRank(FSDPTestMultiThread):
         for strategy in (S.FULL_SHARD, S.SHARD_GRAD_OP):
             seen = []
             for api in ("reffsdp", "torch"):
-                expected = f"`NO_SHARD` instead of {strategy} since the world size is 1"
+                # torch's test_world_size_1_sharding_strategy_warning's pattern
+                expected = (
+                    f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the "
+                    "world size is 1."
+                )
                 with self.assertWarnsRegex(UserWarning, expected):
                     wrapped = blocks_wrapped_by(api, strategy, use_orig_params=True)
                 strategies_run = {

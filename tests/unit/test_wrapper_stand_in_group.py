@@ -62,7 +62,6 @@ def no_process_group():
     assert not dist.is_initialized()
 
 
-@pytest.mark.filterwarnings("ignore:FullyShardedDataParallel uses `NO_SHARD`")
 @pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")
 @pytest.mark.parametrize("size", [1, 2])
 def test_auto_wrapping_over_a_stand_in_builds_torchs_tree(size):
@@ -77,7 +76,6 @@ def test_auto_wrapping_over_a_stand_in_builds_torchs_tree(size):
     assert shapes[0] == shapes[1]
 
 
-@pytest.mark.filterwarnings("ignore:FullyShardedDataParallel uses `NO_SHARD`")
 @pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")
 def test_wrap_with_a_stand_in_and_an_override():
     shapes = []
