@@ -173,13 +173,14 @@ def set_state_dict_type(
     state_dict_config = state_dict_config if state_dict_config is not None else config_type()
     if optim_state_dict_config is None:
         optim_state_dict_config = optim_config_type()
-    for given, expected in (
-        (state_dict_config, config_type),
-        (optim_state_dict_config, optim_config_type),
+    for name, given, expected in (
+        ("state_dict_config", state_dict_config, config_type),
+        ("optim_state_dict_config", optim_state_dict_config, optim_config_type),
     ):
         if type(given) is not expected:
             raise RuntimeError(
-                f"{state_dict_type} needs a {expected.__name__}, got a {type(given).__name__}"
+                f"Expected {name} of type {expected.__name__} but got {type(given).__name__}: "
+                f"{state_dict_type} needs a {expected.__name__}"
             )
     previous = None
     for instance in _instances(module):
