@@ -161,7 +161,8 @@ class FullyShardedDataParallel(nn.Module):
         # torch's rate limiter (at most two all-gathers ahead of compute) holds by construction
         # here: see rule 3 of [Note: why all-gathers get their own stream] in core/streams.
         self.limit_all_gathers = limit_all_gathers
-        self.mixed_precision = mixed_precision
+        # None reads as all-default settings (full precision), as torch's wrapper keeps it.
+        self.mixed_precision = mixed_precision if mixed_precision is not None else MixedPrecision()
         self._use_orig_params = use_orig_params
         self.compute_device = device
         self.process_group = mesh_info.shard_group or mesh_info.replicate_group
@@ -212,14 +213,13 @@ class FullyShardedDataParallel(nn.Module):
         )
         handle.post_backward_hook = self._post_backward
         mp = self.mixed_precision
-        handle.keep_low_precision_grads = bool(mp and mp.keep_low_precision_grads)
+        handle.keep_low_precision_grads = mp.keep_low_precision_grads
         module = self.module  # inside a checkpoint wrapper: see [Note: names in state dicts]
         if self._use_orig_params:
             module.__dict__[FLAT_PARAM] = handle.flat_param
         else:
             module.register_parameter(FLAT_PARAM, handle.flat_param)
-        param_dtype = mp.param_dtype if mp is not None else None
-        reduce_dtype = mp.reduce_dtype if mp is not None else None
+        param_dtype, reduce_dtype = mp.param_dtype, mp.reduce_dtype
         if reduce_dtype is None:
             reduce_dtype = param_dtype  # the wrapper reduces in param_dtype unless told
         settings = GroupSettings(
@@ -439,7 +439,7 @@ class FullyShardedDataParallel(nn.Module):
         instance's own setting, so batch norm wrapped with mixed precision off stays fp32
         (see [Note: mixed precision skips batch norm] in wrap.py)."""
         mp = self.mixed_precision
-        if mp is None or mp.buffer_dtype is None:
+        if mp.buffer_dtype is None:
             return
         for sub in self._own_modules():
             for name, buffer in sub.named_buffers(recurse=False, remove_duplicate=False):
@@ -526,7 +526,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _cast_inputs(self, args: Any, kwargs: Any, *, root: bool) -> tuple[Any, Any]:
         mp = self.mixed_precision
-        if mp is None or mp.param_dtype is None:
+        if mp.param_dtype is None:
             return args, kwargs
         if not (mp.cast_root_forward_inputs if root else mp.cast_forward_inputs):
             return args, kwargs

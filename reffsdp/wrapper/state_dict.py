@@ -379,8 +379,7 @@ def _restore_buffer_dtypes(
     """Full and sharded state dicts hold buffers in the dtype they had before the
     instance's ``MixedPrecision.buffer_dtype`` cast them, as torch's do (local ones keep the
     cast)."""
-    mixed_precision = instance.mixed_precision
-    buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
+    buffer_dtype = instance.mixed_precision.buffer_dtype
     if buffer_dtype is None:
         return
     for name, dtype in instance._orig_buffer_dtypes.items():

@@ -8,15 +8,18 @@ refuses to run them (forward would communicate).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import wrap as torch_wrap
 
+import reffsdp
 from reffsdp import FullyShardedDataParallel
 from reffsdp import wrap as ref_wrap
 
@@ -24,6 +27,7 @@ SIDES = {
     "torch": (TorchFSDP, torch_wrap, {"device_id": torch.device("cpu")}),
     "ours": (FullyShardedDataParallel, ref_wrap, {}),
 }
+PACKAGES = {"torch": torch_fsdp, "ours": reffsdp}
 
 
 class StandInGroup:
@@ -91,6 +95,46 @@ def test_wrap_with_a_stand_in_and_an_override():
         assert layers[1].process_group is other
         shapes.append([_shape(layer) for layer in layers])
     assert shapes[0] == shapes[1]
+
+
+@pytest.mark.filterwarnings("ignore:Both mixed precision and an auto_wrap_policy")
+@pytest.mark.filterwarnings("ignore:mixed precision and an auto_wrap_policy")
+def test_custom_policy_over_a_stand_in_gives_each_wrapper_torchs_settings():
+    """Per-module kwargs from a CustomPolicy, batch norm with mixed precision off: each
+    wrapper's strategy, prefetch and mixed-precision settings read as torch's (no mixed
+    precision reads as the default settings, as torch keeps it)."""
+    settings = []
+    for side, (wrapper_cls, wrap_module, extra) in SIDES.items():
+        package = PACKAGES[side]
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Sequential(nn.Linear(4, 4)))
+
+        def choose(module, model=model, package=package):
+            if isinstance(module, nn.BatchNorm1d):
+                return {"sharding_strategy": package.ShardingStrategy.NO_SHARD}
+            if isinstance(module, nn.Sequential) and module is not model:
+                return {"backward_prefetch": package.BackwardPrefetch.BACKWARD_POST}
+            return False
+
+        wrapped = wrapper_cls(
+            model,
+            process_group=StandInGroup(0, 2),
+            auto_wrap_policy=wrap_module.CustomPolicy(choose),
+            mixed_precision=package.MixedPrecision(param_dtype=torch.float16),
+            **extra,
+        )
+        settings.append(
+            [
+                (
+                    m.sharding_strategy.name,
+                    m.backward_prefetch.name,
+                    dataclasses.astuple(m.mixed_precision),
+                )
+                for m in wrapped.modules()
+                if isinstance(m, wrapper_cls)
+            ]
+        )
+    assert len(settings[0]) == 3
+    assert settings[0] == settings[1]
 
 
 def test_a_stand_in_cannot_run():
