@@ -1,5 +1,6 @@
 """Mirrors ``torch.distributed.fsdp.fully_sharded_data_parallel``: the wrapper API class and
-the names its users import from this module."""
+the names its users import from this module (``FLAT_PARAM`` too, the attribute name of an
+instance's flat parameter on its wrapped module, which torch's own tests import)."""
 
 from .api import (
     BackwardPrefetch,
@@ -18,6 +19,7 @@ from .api import (
     StateDictType,
 )
 from .wrapper import FullyShardedDataParallel
+from .wrapper.fully_sharded_data_parallel import FLAT_PARAM as FLAT_PARAM
 from .wrapper.legacy_optim_state import OptimStateKeyType
 
 __all__ = [

@@ -19,7 +19,8 @@ shallow copy of the root's kwargs (a :class:`CustomPolicy` dict overrides keys p
 With ``mixed_precision`` set, instances of ``mixed_precision._module_classes_to_ignore``
 (batch norm by default) are wrapped on their own with ``mixed_precision=None``, and forward
 hooks run them in fp32: inputs are cast up before their forward and outputs back to the
-inputs' dtype after. A warning names the classes.
+inputs' dtype after. Their buffers stay in full precision too: the root casts each
+instance's buffers to that instance's own ``buffer_dtype``. A warning names the classes.
 """
 
 from __future__ import annotations
@@ -60,10 +61,22 @@ def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
     return True
 
 
-def _wrap_instances_of(
-    module: nn.Module, recurse: bool, nonwrapped_numel: int, module_classes: Iterable[type]
+def _wrap_module_cls_individually(
+    module: nn.Module, module_classes: Iterable[type], recurse: bool, *args: Any, **kwargs: Any
 ) -> bool:
+    """Look inside every module; wrap the instances of ``module_classes`` (bind them with
+    ``partial``). Private, but named and shaped as torch's, whose tests use it."""
     return True if recurse else isinstance(module, tuple(module_classes))
+
+
+def _or_policy(
+    module: nn.Module, recurse: bool, nonwrapped_numel: int, policies: Iterable[Callable]
+) -> bool:
+    """Say yes where any of ``policies`` says yes (bind them with ``partial``). Private, but
+    named and shaped as torch's, whose tests use it."""
+    return any(
+        p(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel) for p in policies
+    )
 
 
 def lambda_auto_wrap_policy(
@@ -80,7 +93,7 @@ def transformer_auto_wrap_policy(
     transformer_layer_cls: set[type[nn.Module]],
 ) -> bool:
     """Wrap every instance of ``transformer_layer_cls`` (bind it with ``partial``)."""
-    return _wrap_instances_of(module, recurse, nonwrapped_numel, transformer_layer_cls)
+    return _wrap_module_cls_individually(module, transformer_layer_cls, recurse)
 
 
 def size_based_auto_wrap_policy(
@@ -144,7 +157,7 @@ class ModuleWrapPolicy(_Policy):
         }
 
     def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
-        return _wrap_instances_of(module, recurse, -1, self._module_classes)
+        return _wrap_module_cls_individually(module, self._module_classes, recurse)
 
     def __repr__(self) -> str:
         names = sorted(cls.__name__ for cls in self._module_classes)
@@ -262,8 +275,10 @@ def auto_wrap_children(
         return
     if full_precision_classes:
         _run_in_full_precision(root_module, full_precision_classes, wrapper_cls)
-        wrap_alone = functools.partial(_wrap_instances_of, module_classes=full_precision_classes)
-        policy = functools.partial(_any_policy, policies=(policy, wrap_alone))
+        wrap_alone = functools.partial(
+            _wrap_module_cls_individually, module_classes=full_precision_classes
+        )
+        policy = functools.partial(_or_policy, policies=(policy, wrap_alone))
 
     def wrap_fn(module: nn.Module) -> nn.Module:
         kwargs = dict(root_kwargs)
@@ -281,18 +296,11 @@ def _check_not_wrapped(root_module: nn.Module, wrapper_cls: Callable) -> None:
         if isinstance(module, wrapper_cls):
             where = f"the submodule {path!r}" if path else "the root module"
             raise ValueError(
-                f"auto wrapping needs a module tree with no {wrapper_cls.__name__} in it, but "
-                f"{where} is already a {wrapper_cls.__name__}; wrap either by hand or with "
-                "an auto_wrap_policy, not both"
+                "FSDP auto wrapping requires modules to not already have FSDP applied but "
+                f"found {path} in the {type(root_module).__name__} to wrap: {where} is already "
+                f"a {wrapper_cls.__name__}; wrap either by hand or with an auto_wrap_policy, "
+                "not both"
             )
-
-
-def _any_policy(
-    module: nn.Module, recurse: bool, nonwrapped_numel: int, policies: tuple[Callable, ...]
-) -> bool:
-    return any(
-        p(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel) for p in policies
-    )
 
 
 def _wrap_recursively(

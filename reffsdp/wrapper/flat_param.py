@@ -70,6 +70,7 @@ constructor (``device_id``, ``CPUOffload``): a move to another device is refused
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -80,6 +81,9 @@ from ..core.member import GroupMember, resolve_dtypes, with_storage
 from .flat_layout import FlatLayout, RankShard, flat_layout
 
 _CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper's submodule
+# Set to "1" (as for torch's wrapper) before wrapping: original parameters are shown by
+# writing modules' dictionaries directly, bypassing ``__setattr__`` overrides and checks.
+UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
 
 
 class FlatParameter(nn.Parameter):
@@ -103,7 +107,9 @@ class ParamSlot:
     fqn: str  # relative to the wrapped module
 
 
-def _set_tensor(slot: ParamSlot, tensor: torch.Tensor, registered: bool = False) -> None:
+def _set_tensor(
+    slot: ParamSlot, tensor: torch.Tensor, registered: bool = False, *, unsafe: bool = False
+) -> None:
     """Show ``tensor`` as ``slot``: registered if it is a Parameter (or ``registered``),
     else a plain attribute.
 
@@ -111,14 +117,23 @@ def _set_tensor(slot: ParamSlot, tensor: torch.Tensor, registered: bool = False)
     registered as torch's wrapper does, so ``named_parameters()`` between forward and
     backward lists the full-size views; otherwise the flat parameter is the registered one
     and they are plain attributes (``__dict__`` wins over ``nn.Module.__getattr__``).
+
+    By default the attribute is deleted and set again through the module's own
+    ``__setattr__``, overrides and ``nn.Module``'s checks included; ``unsafe`` writes the
+    module's dictionaries directly, which is cheaper (see ``UNSAFE_SETATTR``).
     """
-    module = slot.module
-    if isinstance(tensor, nn.Parameter) or registered:
-        module.__dict__.pop(slot.name, None)
-        module._parameters[slot.name] = tensor
-    else:
-        module._parameters.pop(slot.name, None)
-        module.__dict__[slot.name] = tensor
+    module, name = slot.module, slot.name
+    register = isinstance(tensor, nn.Parameter) or registered
+    if not unsafe:
+        if hasattr(module, name):
+            delattr(module, name)
+        setattr(module, name, tensor)
+    if register:
+        module.__dict__.pop(name, None)
+        module._parameters[name] = tensor
+    elif unsafe:
+        module._parameters.pop(name, None)
+        module.__dict__[name] = tensor
 
 
 class FlatParamHandle(GroupMember):
@@ -141,6 +156,7 @@ class FlatParamHandle(GroupMember):
         _check_flattenable(params, slots, use_orig_params)
         self.slots = slots  # per original parameter: every place it is registered
         self.owner = owner  # the wrapper instance, for messages
+        self.unsafe_setattr = os.environ.get(UNSAFE_SETATTR, "") == "1"
         self.device = device
         self.use_orig_params = use_orig_params
         self.offload = offload and device.type != "cpu"
@@ -416,7 +432,7 @@ class FlatParamHandle(GroupMember):
     def to_unsharded(self) -> None:
         for slots, view in zip(self.slots, self.unsharded_views()):
             for slot in slots:
-                _set_tensor(slot, view, registered=self.use_orig_params)
+                _set_tensor(slot, view, registered=self.use_orig_params, unsafe=self.unsafe_setattr)
 
     def show_sharded(self) -> None:
         """Between iterations: original parameters as shard views, or storage-less views
@@ -424,7 +440,7 @@ class FlatParamHandle(GroupMember):
         views = self.orig_params if self.use_orig_params else self._storageless()
         for slots, view in zip(self.slots, views):
             for slot in slots:
-                _set_tensor(slot, view)
+                _set_tensor(slot, view, unsafe=self.unsafe_setattr)
 
     def _storageless(self) -> list[torch.Tensor]:
         """Full-shaped views of a flat buffer whose storage is freed, made once."""

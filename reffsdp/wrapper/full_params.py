@@ -145,20 +145,27 @@ def _check_options(
         )
 
 
-def _check_idle(instance: FullyShardedDataParallel) -> None:
+def _busy_state(instance: FullyShardedDataParallel) -> str | None:
+    """What keeps ``instance`` from unsharding by hand now, by name, or ``None``."""
     group = instance._group
     if instance._summoning:
+        return "SUMMON_FULL_PARAMS"
+    if instance.training_state is not TrainingState.IDLE:
+        return instance.training_state.name
+    if group is not None and group.training_state is not TrainingState.IDLE:
+        return group.training_state.name
+    if instance._root_ctx.final_callback_queued:
+        return "BACKWARD"
+    return None
+
+
+def _check_idle(instance: FullyShardedDataParallel) -> None:
+    state = _busy_state(instance)
+    if state == "SUMMON_FULL_PARAMS":
         raise AssertionError(
             f"Cannot manually unshard parameters when already unsharding parameters: "
             f"{_name(instance)} is already inside summon_full_params"
         )
-    state = None
-    if instance.training_state is not TrainingState.IDLE:
-        state = instance.training_state.name
-    elif group is not None and group.training_state is not TrainingState.IDLE:
-        state = group.training_state.name
-    elif instance._root_ctx.final_callback_queued:
-        state = "BACKWARD"
     if state is not None:
         raise AssertionError(
             f"Cannot manually unshard parameters during forward/backward: {_name(instance)} "
@@ -301,7 +308,7 @@ class _FullParams:
             if grad_views is not None and trainable:
                 _assign_grad(param, grad_views[i])
             for slot in slots:
-                _set_tensor(slot, param)
+                _set_tensor(slot, param, unsafe=handle.unsafe_setattr)
 
     def hide(self, *, writeback: bool) -> None:
         handle = self.handle
@@ -340,6 +347,13 @@ def apply(instance: FullyShardedDataParallel, fn: Any, apply_module: Any) -> Any
     from .fully_sharded_data_parallel import _RESHARD_AFTER_FORWARD as RESHARD_AFTER_FORWARD
     from .fully_sharded_data_parallel import FullyShardedDataParallel
 
+    state = _busy_state(instance)
+    if state is not None:
+        raise ValueError(
+            f"apply() on {_name(instance)} expected to be in states [IDLE] but current state "
+            f"is {state}: apply() gathers the full parameters itself, so call it outside "
+            "summon_full_params, forward and backward"
+        )
     uninitialized = instance._is_root is None
     options = dict(writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False)
     with summon_one(instance, **options):
@@ -363,8 +377,8 @@ def clip_grad_norm(
     root._lazy_init()
     if not root._is_root:
         raise RuntimeError(
-            f"clip_grad_norm_() should only be called on the root FullyShardedDataParallel, "
-            f"not on the nested {_name(root)}"
+            "clip_grad_norm_() should only be called on the root FSDP instance (the outermost "
+            f"FullyShardedDataParallel), not on the nested {_name(root)}"
         )
     if root._group is not None and root._group.training_state is not TrainingState.IDLE:
         raise ValueError("clip_grad_norm_() must be called outside forward and backward")
@@ -408,8 +422,9 @@ def clip_grad_norm(
         grad.mul_(coef.to(grad.device, grad.dtype))
     if not grads:
         warnings.warn(
-            f"clip_grad_norm_() on rank {root.rank} found no gradients; returning the total "
-            f"norm in {total.dtype}",
+            f"Called FSDP.clip_grad_norm_() on rank {root.rank} with no gradients -- returning "
+            f"the total norm in the default dtype {total.dtype}: no parameter under "
+            f"{_name(root)} has a gradient on this rank, so the gradients' dtype is unknown",
             stacklevel=3,
         )
         return total

@@ -107,7 +107,9 @@ class FullyShardedDataParallel(nn.Module):
             mixed_precision=mixed_precision,
             device_mesh=device_mesh,
             process_group=process_group,
+            param_init_fn=param_init_fn,
         )
+        setup.check_hybrid_groups(sharding_strategy, process_group, device_mesh, auto_wrap_policy)
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         device = setup.compute_device(module, device_id, process_group, device_mesh)
         mesh_info = setup.mesh_info_for_strategy(strategy, process_group, device_mesh, device)
@@ -159,7 +161,8 @@ class FullyShardedDataParallel(nn.Module):
         # torch's rate limiter (at most two all-gathers ahead of compute) holds by construction
         # here: see rule 3 of [Note: why all-gathers get their own stream] in core/streams.
         self.limit_all_gathers = limit_all_gathers
-        self.mixed_precision = mixed_precision
+        # None reads as all-default settings (full precision), as torch's wrapper keeps it.
+        self.mixed_precision = mixed_precision if mixed_precision is not None else MixedPrecision()
         self._use_orig_params = use_orig_params
         self.compute_device = device
         self.process_group = mesh_info.shard_group or mesh_info.replicate_group
@@ -211,14 +214,13 @@ class FullyShardedDataParallel(nn.Module):
         )
         handle.post_backward_hook = self._post_backward
         mp = self.mixed_precision
-        handle.keep_low_precision_grads = bool(mp and mp.keep_low_precision_grads)
+        handle.keep_low_precision_grads = mp.keep_low_precision_grads
         module = self.module  # inside a checkpoint wrapper: see [Note: names in state dicts]
         if self._use_orig_params:
             module.__dict__[FLAT_PARAM] = handle.flat_param
         else:
             module.register_parameter(FLAT_PARAM, handle.flat_param)
-        param_dtype = mp.param_dtype if mp is not None else None
-        reduce_dtype = mp.reduce_dtype if mp is not None else None
+        param_dtype, reduce_dtype = mp.param_dtype, mp.reduce_dtype
         if reduce_dtype is None:
             reduce_dtype = param_dtype  # the wrapper reduces in param_dtype unless told
         settings = GroupSettings(
@@ -450,9 +452,11 @@ class FullyShardedDataParallel(nn.Module):
         """The first instance to run forward becomes the root of every instance below it."""
         if self._is_root is not None:
             return
+        instances = FullyShardedDataParallel.fsdp_modules(self)
+        _refuse_stand_in_groups(instances)
+        _refuse_optimizer_in_backward(instances)
         self._is_root = True
         ctx = RootContext()
-        instances = FullyShardedDataParallel.fsdp_modules(self)
         for instance in instances[1:]:
             if instance._is_root is not None:
                 raise RuntimeError(
@@ -467,13 +471,20 @@ class FullyShardedDataParallel(nn.Module):
                 instance._group.bind(ctx.comm)
         if self._group is not None and self.sharding_strategy in _RESHARD_AFTER_FORWARD:
             self._group.configure(reshard_after_forward=False)  # backward needs it at once
+        for instance in instances:
+            instance._cast_buffers()
+
+    def _cast_buffers(self) -> None:
+        """Floating buffers of this instance's own modules to its ``buffer_dtype``: each
+        instance's own setting, so batch norm wrapped with mixed precision off stays fp32
+        (see [Note: mixed precision skips batch norm] in wrap.py)."""
         mp = self.mixed_precision
-        if mp is not None and mp.buffer_dtype is not None:
-            for instance in instances:
-                for sub in instance._own_modules():
-                    for name, buffer in sub.named_buffers(recurse=False, remove_duplicate=False):
-                        if buffer.is_floating_point():
-                            setattr(sub, name, buffer.to(mp.buffer_dtype))
+        if mp.buffer_dtype is None:
+            return
+        for sub in self._own_modules():
+            for name, buffer in sub.named_buffers(recurse=False, remove_duplicate=False):
+                if buffer.is_floating_point():
+                    setattr(sub, name, buffer.to(mp.buffer_dtype))
 
     def _own_modules(self) -> list[nn.Module]:
         return setup._unwrapped_modules(
@@ -555,7 +566,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _cast_inputs(self, args: Any, kwargs: Any, *, root: bool) -> tuple[Any, Any]:
         mp = self.mixed_precision
-        if mp is None or mp.param_dtype is None:
+        if mp.param_dtype is None:
             return args, kwargs
         if not (mp.cast_root_forward_inputs if root else mp.cast_forward_inputs):
             return args, kwargs
@@ -641,24 +652,26 @@ class FullyShardedDataParallel(nn.Module):
         once, on the root, best before the first forward (a later registration applies from
         the next backward on); hybrid strategies take no hook.
         """
+        # torch's tests match the first two messages whole: our detail goes in a note.
         if not self.check_is_root():
-            raise AssertionError(
-                "register_comm_hook() can only be called on a root FullyShardedDataParallel "
-                "instance (the outermost one); it applies to every instance under the root"
+            raise _with_note(
+                AssertionError("register_comm_hook can only be called on a root instance."),
+                f"FullyShardedDataParallel({type(self.module).__name__}) is nested; call it on "
+                "the outermost instance, and the hook applies to every instance under it",
             )
         instances = self._root_ctx.instances
         for instance in instances:
             if instance.sharding_strategy in setup.HYBRID:
                 raise AssertionError(
-                    "communication hooks are not supported for hybrid strategies, got "
-                    f"{instance.sharding_strategy} on FullyShardedDataParallel("
-                    f"{type(instance.module).__name__})"
+                    "Communication hook is not supported for hybrid strategies: "
+                    f"FullyShardedDataParallel({type(instance.module).__name__}) runs "
+                    f"{instance.sharding_strategy}"
                 )
             group = instance._group
             if group is not None and group.settings.custom_reduction is not None:
-                raise AssertionError(
-                    "a communication hook is already registered; register_comm_hook() may "
-                    "be called once per root"
+                raise _with_note(
+                    AssertionError("A communication hook is already registered"),
+                    "register_comm_hook() may be called once per root",
                 )
         if not callable(hook):
             raise ValueError(f"the communication hook must be callable, got {type(hook).__name__}")
@@ -749,6 +762,50 @@ class FullyShardedDataParallel(nn.Module):
         """Clip the gradients of the whole model in place (root only; every rank must call
         it); return the total norm, as for the unsharded model."""
         return full_params.clip_grad_norm(self, max_norm, norm_type)
+
+
+def _with_note(error: Exception, note: str) -> Exception:
+    """``error`` with ``note`` shown below its message in tracebacks (Python 3.11 on), for
+    messages that must read exactly as torch's."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    return error
+
+
+def _refuse_stand_in_groups(instances: list[FullyShardedDataParallel]) -> None:
+    """Forward, backward, summoning and state dicts communicate: a stand-in cannot."""
+    for instance in instances:
+        if isinstance(instance._mesh_info.mesh, setup.StandInMesh):
+            raise TypeError(
+                f"FullyShardedDataParallel({type(instance.module).__name__}) was built over "
+                f"a stand-in process group ({type(instance.process_group).__name__}, with "
+                "rank() and size() only), which decides sharding and wrapping but cannot "
+                "communicate; build it over a torch.distributed ProcessGroup to run it"
+            )
+
+
+def _refuse_optimizer_in_backward(instances: list[FullyShardedDataParallel]) -> None:
+    """Parameters handed to ``torch.distributed.optim._apply_optimizer_in_backward`` carry an
+    ``_in_backward_optimizers`` attribute. On flat parameters torch's wrapper refuses them;
+    on original parameters it steps them in its post-backward, which ours does not: their
+    gradients are set after the reduction, so those optimizers would never step."""
+    for instance in instances:
+        handle = instance._handle
+        if handle is None:
+            continue
+        name = f"FullyShardedDataParallel({type(instance.module).__name__})"
+        if hasattr(handle.flat_param, "_in_backward_optimizers"):
+            raise RuntimeError(
+                "FSDP optimizer in backward only supported with use_orig_params=True: the "
+                f"flat parameter of {name} was given to an optimizer that steps in backward; "
+                "wrap with use_orig_params=True, or step an ordinary optimizer after backward"
+            )
+        if any(hasattr(p, "_in_backward_optimizers") for p in handle.orig_params):
+            raise NotImplementedError(
+                f"parameters of {name} were given to an optimizer that steps in backward, "
+                "which reffsdp's wrapper does not run (torch's does with "
+                "use_orig_params=True); step an ordinary optimizer after backward"
+            )
 
 
 FullyShardedDataParallel.__module__ = "reffsdp"

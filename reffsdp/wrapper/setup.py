@@ -11,6 +11,7 @@ import hashlib
 import os
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ def check_arguments(module: Any, wrapper_cls: type, **arguments: Any) -> None:
     """Refuse a module that cannot be wrapped and arguments of the wrong type, by name.
 
     ``arguments`` are the constructor's keyword arguments named in ``_ARGUMENT_TYPES``
-    (each may be ``None``) and ``process_group``.
+    (each may be ``None``), ``process_group`` and ``param_init_fn``.
     """
     if isinstance(module, wrapper_cls):
         raise ValueError(
@@ -52,23 +53,100 @@ def check_arguments(module: Any, wrapper_cls: type, **arguments: Any) -> None:
     for name, value in arguments.items():
         if name == "process_group":
             _check_process_group(value)
-            continue
-        expected = _ARGUMENT_TYPES[name]
-        if value is not None and not isinstance(value, expected):
-            where = "reffsdp" if expected.__module__.startswith("reffsdp") else expected.__module__
+        elif name == "param_init_fn":
+            _check_param_init_fn(value)
+        else:
+            _check_type(name, value)
+    if arguments.get("mixed_precision") is not None:
+        _check_dtypes(arguments["mixed_precision"])
+
+
+def check_hybrid_groups(
+    strategy: ShardingStrategy | None, process_group: Any, device_mesh: Any, auto_wrap_policy: Any
+) -> None:
+    """Hybrid instances wrapped by hand must be handed their groups: built per instance,
+    nothing would make them agree. An auto-wrapping root builds them once for all."""
+    given = (process_group, device_mesh, auto_wrap_policy)
+    if strategy in HYBRID and all(x is None for x in given):
+        raise ValueError(
+            f"Manual wrapping with {strategy} requires explicit specification of process "
+            "group or device_mesh: pass process_group=(shard_group, replicate_group) or a 2-D "
+            "device_mesh, the same to every instance, or wrap with an auto_wrap_policy, "
+            "which builds the groups once for every instance it creates"
+        )
+
+
+def _check_type(name: str, value: Any) -> None:
+    expected = _ARGUMENT_TYPES[name]
+    if value is not None and not isinstance(value, expected):
+        where = "reffsdp" if expected.__module__.startswith("reffsdp") else expected.__module__
+        raise TypeError(
+            f"{name} must be a {where}.{expected.__name__} or None, got {_describe(value)}"
+        )
+
+
+def _check_dtypes(mixed_precision: MixedPrecision) -> None:
+    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        value = getattr(mixed_precision, name)
+        if value is not None and not isinstance(value, torch.dtype):
             raise TypeError(
-                f"{name} must be a {where}.{expected.__name__} or None, got {_describe(value)}"
+                f"MixedPrecision's {name} must be torch.dtype (such as torch.bfloat16) or "
+                f"None, got {_describe(value)}"
             )
+
+
+def _check_param_init_fn(value: Any) -> None:
+    """torch checks only when a module is on the meta device; a wrong one is wrong anyway."""
+    if value is not None and not callable(value):
+        raise ValueError(
+            f"Expected param_init_fn to be callable but got {_describe(value)}: pass a "
+            "function that takes a module and gives its meta-device parameters and buffers "
+            "real storage and values, or None"
+        )
 
 
 def _check_process_group(value: Any) -> None:
     groups = value if isinstance(value, tuple) else (value,)
     if value is None or all(isinstance(g, dist.ProcessGroup) for g in groups):
         return
+    answers = all(callable(getattr(value, method, None)) for method in ("rank", "size"))
+    if is_stand_in(value) and answers:
+        return
     raise TypeError(
         "process_group must be a ProcessGroup, a (shard_group, replicate_group) pair of them "
-        f"for a hybrid strategy, or None, got {_describe(value)}"
+        "for a hybrid strategy, an object with rank() and size() to decide sharding and "
+        f"wrapping without communicating, or None, got {_describe(value)}"
     )
+
+
+def is_stand_in(process_group: Any) -> bool:
+    """Whether ``process_group`` stands in for a group: neither ``None``, a ProcessGroup
+    nor a hybrid pair (``check_arguments`` makes sure it answers ``rank()`` and ``size()``).
+    torch's tests pass one to check wrapping decisions with no process group initialized;
+    instances built over one never communicate."""
+    return process_group is not None and not isinstance(process_group, (dist.ProcessGroup, tuple))
+
+
+@dataclass(frozen=True)
+class StandInMesh:
+    """A 1-D mesh over a stand-in group: it answers what :class:`MeshInfo` asks of a mesh
+    (group, size and local rank of its one dim) from the group's ``rank()`` and ``size()``."""
+
+    group: Any
+    device_type: str
+    ndim: int = 1
+
+    def get_group(self, mesh_dim: int = 0) -> Any:
+        return self.group
+
+    def size(self, mesh_dim: int = 0) -> int:
+        return self.group.size()
+
+    def get_local_rank(self, mesh_dim: int = 0) -> int:
+        return self.group.rank()
+
+    def get_rank(self) -> int:
+        return self.group.rank()
 
 
 def _describe(value: Any) -> str:
@@ -124,12 +202,14 @@ def _collectives_on_cpu(process_group: Any, device_mesh: DeviceMesh | None) -> b
         return device_mesh.device_type == "cpu"
     if isinstance(process_group, tuple):  # hybrid: (intra-node, inter-node)
         process_group = process_group[0]
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        return False  # a stand-in group (rank() and size() only): no backend to ask
+    if is_stand_in(process_group):
+        return False  # no backend to ask
     return dist.is_initialized() and dist.get_backend(process_group) == "gloo"
 
 
-def _mesh_of(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
+def _mesh_of(group: Any, device_type: str) -> DeviceMesh | StandInMesh:
+    if is_stand_in(group):
+        return StandInMesh(group, device_type)
     return DeviceMesh.from_group(group, device_type)
 
 
@@ -148,7 +228,7 @@ def mesh_info_for_strategy(
         raise ValueError(
             "FullyShardedDataParallel takes a process_group or a device_mesh, not both"
         )
-    if not dist.is_initialized():
+    if not dist.is_initialized() and not is_stand_in(process_group):
         dist.init_process_group()
     device_type = device.type
     if strategy in HYBRID:
@@ -186,8 +266,9 @@ def _hybrid_mesh(process_group: Any, device_mesh: DeviceMesh | None, device_type
         return _intra_inter_node_mesh(device_type)
     if not (isinstance(process_group, tuple) and len(process_group) == 2):
         raise ValueError(
-            "a hybrid strategy takes process_group=(shard_group, replicate_group), a 2-D "
-            f"device_mesh, or neither; got {type(process_group).__name__}"
+            "Expected process_group to be passed in as either None or a (shard_group, "
+            "replicate_group) pair of ProcessGroups for a hybrid strategy, but got "
+            f"{_describe(process_group)}; a 2-D device_mesh works too"
         )
     shard_group, replicate_group = process_group
     shard_ranks = dist.get_process_group_ranks(shard_group)
@@ -260,16 +341,9 @@ def ignored_sets(
     wrapper_cls: type,
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     """Modules (with their subtrees) and parameters the instance never shards."""
-    if ignored_modules is not None and ignored_states is not None:
-        raise ValueError("pass ignored_modules or ignored_states, not both")
-    items = list(ignored_states if ignored_states is not None else ignored_modules or ())
-    params = {x for x in items if isinstance(x, nn.Parameter)}
+    items = _ignored_items(ignored_modules, ignored_states)
     roots = [x for x in items if isinstance(x, nn.Module)]
-    if params and roots or len(params) + len(roots) != len(items):
-        raise ValueError(
-            "ignored_states must be all nn.Parameters or all nn.Modules, got "
-            f"{sorted({type(x).__name__ for x in items})}"
-        )
+    params = {x for x in items if isinstance(x, nn.Parameter)}
     modules: set[nn.Module] = set()
     for root in roots:
         for sub in root.modules():
@@ -278,9 +352,48 @@ def ignored_sets(
                     f"an ignored module may not contain {wrapper_cls.__name__} instances"
                 )
             modules.add(sub)
+    if module in modules:
+        warnings.warn(
+            "Trying to ignore the top-level module passed into the FSDP constructor itself "
+            f"will result in all parameters being ignored: every parameter of the "
+            f"{type(module).__name__} stays unsharded and {wrapper_cls.__name__} has nothing "
+            "to manage; wrap a parent module instead, or ignore only some children",
+            stacklevel=3,
+        )
     for sub in modules:
         params.update(sub.parameters(recurse=False))
     return modules, params
+
+
+def _ignored_items(ignored_modules: Any, ignored_states: Any) -> list[Any]:
+    """The one ignore argument given, as a list: all modules, or (``ignored_states`` only)
+    all parameters."""
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError(
+            "Cannot pass both ignored_modules and ignored_states at the same time; pass only "
+            "ignored_states, which takes modules or parameters"
+        )
+    name = "ignored_states" if ignored_states is not None else "ignored_modules"
+    given = ignored_states if ignored_states is not None else ignored_modules
+    try:
+        items = list(given or ())
+    except TypeError:
+        kinds = "nn.Modules or of nn.Parameters" if name == "ignored_states" else "nn.Modules"
+        raise TypeError(f"{name} must be an iterable of {kinds}, got {_describe(given)}") from None
+    types = sorted({type(x) for x in items}, key=repr)
+    if name == "ignored_modules" and not all(isinstance(x, nn.Module) for x in items):
+        raise ValueError(
+            f"ignored_modules expects nn.Module list elements but got types {types}; to "
+            "ignore single parameters pass them as ignored_states"
+        )
+    is_param = [isinstance(x, nn.Parameter) for x in items]
+    is_module = [isinstance(x, nn.Module) for x in items]
+    if not (all(is_param) or all(is_module)):
+        raise ValueError(
+            "ignored_states expects all nn.Parameter or all nn.Module list elements but got "
+            f"types {types}; pass either the modules or their parameters"
+        )
+    return items
 
 
 def materialize(
@@ -412,8 +525,8 @@ def strategy_for_group(strategy: ShardingStrategy, mesh_info: MeshInfo) -> Shard
         )
     elif strategy not in HYBRID and mesh_info.shard_size == 1:
         warnings.warn(
-            f"FullyShardedDataParallel uses `NO_SHARD` instead of {strategy} since the "
-            "world size is 1",
+            f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size "
+            "is 1: over one rank every parameter is whole anyway, so it only all-reduces",
             stacklevel=3,
         )
         return ShardingStrategy.NO_SHARD

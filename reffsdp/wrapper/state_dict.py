@@ -173,13 +173,14 @@ def set_state_dict_type(
     state_dict_config = state_dict_config if state_dict_config is not None else config_type()
     if optim_state_dict_config is None:
         optim_state_dict_config = optim_config_type()
-    for given, expected in (
-        (state_dict_config, config_type),
-        (optim_state_dict_config, optim_config_type),
+    for name, given, expected in (
+        ("state_dict_config", state_dict_config, config_type),
+        ("optim_state_dict_config", optim_state_dict_config, optim_config_type),
     ):
         if type(given) is not expected:
             raise RuntimeError(
-                f"{state_dict_type} needs a {expected.__name__}, got a {type(given).__name__}"
+                f"Expected {name} of type {expected.__name__} but got {type(given).__name__}: "
+                f"{state_dict_type} needs a {expected.__name__}"
             )
     previous = None
     for instance in _instances(module):
@@ -375,11 +376,10 @@ def _post_state_dict_hook(
 def _restore_buffer_dtypes(
     instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str
 ) -> None:
-    """Full and sharded state dicts hold buffers in the dtype they had before the root's
-    ``MixedPrecision.buffer_dtype`` cast them, as torch's do (local ones keep the cast)."""
-    roots = instance._root_ctx.instances
-    mixed_precision = roots[0].mixed_precision if roots else None
-    buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
+    """Full and sharded state dicts hold buffers in the dtype they had before the
+    instance's ``MixedPrecision.buffer_dtype`` cast them, as torch's do (local ones keep the
+    cast)."""
+    buffer_dtype = instance.mixed_precision.buffer_dtype
     if buffer_dtype is None:
         return
     for name, dtype in instance._orig_buffer_dtypes.items():

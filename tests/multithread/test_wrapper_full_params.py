@@ -8,6 +8,7 @@ torch's own wrapper on the same group where the behaviour is a naming or casting
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -351,8 +352,30 @@ class TestWrapperUtilities(FSDPTestMultiThread):
             model = _wrap(ref, mixed_precision=mp)
             _loss(model, self.rank).backward()
             self.assertEqual(model.clip_grad_norm_(1.0).dtype, dtype)
-        with self.assertRaisesRegex(RuntimeError, "root"):
-            model.module.block.clip_grad_norm_(1.0)
+        for cls in (FSDP, TorchFSDP):
+            model = _wrap(ref, cls)
+            model(_input(self.rank)).sum().backward()
+            with self.assertRaisesRegex(
+                RuntimeError, "should only be called on the root FSDP instance"
+            ):
+                model.module.block.clip_grad_norm_(1.0)
+
+    def test_clip_grad_norm_without_gradients_warns_like_torch(self):
+        """Rank 0 alone catches warnings: ranks in threads share the warning filters. It
+        enters the check before clip_grad_norm_'s all-reduce, which rank 1 waits for."""
+        regex = (
+            rf"on rank {self.rank} with no gradients -- returning the total norm in the "
+            "default dtype torch.float32"
+        )
+        for cls in (FSDP, TorchFSDP):
+            model = _wrap(_reference(), cls, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
+            model(_input(self.rank))
+            checking = contextlib.nullcontext()
+            if self.rank == 0:
+                checking = self.assertWarnsRegex(UserWarning, regex)
+            with checking:
+                total = model.clip_grad_norm_(1.0)
+            self.assertEqual((total.dtype, total.item()), (torch.float32, 0.0))
 
     def test_keep_low_precision_grads(self):
         self.run_subtests({"use_orig_params": [False, True]}, self._test_keep_low_precision_grads)
@@ -388,6 +411,14 @@ class TestWrapperUtilities(FSDPTestMultiThread):
         self.assertIsNone(model._is_root)  # apply's lazy init is undone
         _assert_equal(model(_input(self.rank)), ref(_input(self.rank)))
         self.assertTrue(model._is_root)
+
+    def test_apply_inside_summon_full_params_is_a_value_error_like_torch(self):
+        for cls in (FSDP, TorchFSDP):
+            model = _wrap(_reference(), cls)
+            with cls.summon_full_params(model):
+                with pytest.raises(ValueError, match="expected to be in states"):
+                    model.apply(lambda module: None)
+            model.apply(lambda module: None)  # outside: fine
 
     def test_forward_input_casting_matches_torch(self):
         self.run_subtests(

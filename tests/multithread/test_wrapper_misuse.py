@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
+from torch.distributed.optim import _apply_optimizer_in_backward
 
 from reffsdp import (
     BackwardPrefetch,
@@ -51,11 +52,19 @@ class TestWrapperMisuse(FSDPTestMultiThread):
             FullyShardedDataParallel(instance)
         # A parent of instances is how nesting is done by hand: fine without a policy...
         FullyShardedDataParallel(nn.Sequential(instance, nn.Linear(4, 4)))
-        # ...but auto wrapping refuses a tree that holds instances already, as torch does.
+        # ...but auto wrapping refuses a tree that holds instances already, as torch does,
+        # in its words.
         for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
-            parent = nn.Sequential(wrapper_cls(nn.Linear(4, 4), **extra), nn.Linear(4, 4))
-            with pytest.raises(ValueError, match="FSDP|FullyShardedDataParallel"):
-                wrapper_cls(parent, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), **extra)
+            for nested, path in ((False, "0"), (True, "0.1")):
+                inner = wrapper_cls(nn.Linear(4, 4), **extra)
+                child = nn.Sequential(nn.Linear(4, 4), inner) if nested else inner
+                parent = nn.Sequential(child, nn.Linear(4, 4))
+                with pytest.raises(
+                    ValueError,
+                    match="FSDP auto wrapping requires modules to not already have FSDP "
+                    f"applied but found {path} in",
+                ):
+                    wrapper_cls(parent, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), **extra)
 
     def test_no_sync_on_a_non_root(self):
         for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
@@ -86,6 +95,29 @@ class TestWrapperMisuse(FSDPTestMultiThread):
                         **kwargs,
                         **_TORCH_CPU,
                     )
+        # One group where a hybrid strategy needs two: torch's test passes a policy too.
+        for wrapper_cls, strategies, extra in (
+            (FullyShardedDataParallel, ShardingStrategy, {}),
+            (TorchFSDP, TorchShardingStrategy, _TORCH_CPU),
+        ):
+            with pytest.raises(ValueError, match="Expected process_group to be passed in"):
+                wrapper_cls(
+                    nn.Sequential(nn.Linear(4, 4)),
+                    process_group=world,
+                    sharding_strategy=strategies.HYBRID_SHARD,
+                    auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                    **extra,
+                )
+        # Wrapped by hand, each instance would build its own groups.
+        for wrapper_cls, strategies, extra in (
+            (FullyShardedDataParallel, ShardingStrategy, {}),
+            (TorchFSDP, TorchShardingStrategy, _TORCH_CPU),
+        ):
+            for strategy in (strategies.HYBRID_SHARD, strategies._HYBRID_SHARD_ZERO2):
+                with pytest.raises(
+                    ValueError, match="requires explicit specification of process group"
+                ):
+                    wrapper_cls(nn.Linear(4, 4), sharding_strategy=strategy, **extra)
         # torch accepts these two pairs silently; neither tiles two ranks.
         with pytest.raises(ValueError, match="must cover the world"):
             FullyShardedDataParallel(
@@ -117,6 +149,14 @@ class TestWrapperMisuse(FSDPTestMultiThread):
             ({"cpu_offload": True}, "cpu_offload must be a reffsdp.CPUOffload"),
             ({"mixed_precision": {"param_dtype": torch.float16}}, "mixed_precision must be"),
             ({"backward_prefetch": "BACKWARD_PRE"}, "backward_prefetch must be"),
+            # torch fails deep inside: "argument 'dtype' must be torch.dtype, not str" or
+            # "Invalid device string", depending on the field.
+            (
+                {"mixed_precision": MixedPrecision(param_dtype="bfloat16")},
+                "param_dtype must be torch.dtype .* got str 'bfloat16'",
+            ),
+            ({"mixed_precision": MixedPrecision(reduce_dtype=16)}, "reduce_dtype must be"),
+            ({"mixed_precision": MixedPrecision(buffer_dtype="fp32")}, "buffer_dtype must be"),
             ({"process_group": 3}, "process_group must be a ProcessGroup"),
             ({"device_mesh": "cpu"}, "device_mesh must be a torch.distributed"),
         ]
@@ -156,3 +196,91 @@ class TestWrapperHybridGroups(FSDPTestMultiThread):
             FullyShardedDataParallel(
                 nn.Linear(4, 4), sharding_strategy=HYBRID_SHARD, process_group=(shard, shard)
             )
+
+
+class TestWrapperIgnoredArguments(FSDPTestMultiThread):
+    """``ignored_modules`` / ``ignored_states`` are checked as torch's wrapper checks them,
+    with torch's wording (its tests match it) and what to do instead."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+
+    def test_wrong_kinds_of_ignored_things(self):
+        for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
+            model = self._model()
+            params = list(model[1].parameters())
+            modules = list(model[1].children())
+            cases = [
+                ({"ignored_modules": params}, r"ignored_modules expects nn.Module list elements"),
+                (
+                    {"ignored_modules": modules, "ignored_states": params},
+                    "Cannot pass both ignored_modules and ignored_states at the same time",
+                ),
+                (
+                    {"ignored_states": [modules[0], *params]},
+                    r"ignored_states expects all nn.Parameter or all nn.Module list elements "
+                    r"but got types \[<class 'torch.nn.modules.linear.Linear'>, "
+                    r"<class 'torch.nn.parameter.Parameter'>\]",
+                ),
+            ]
+            for kwargs, message in cases:
+                with self.subTest(wrapper=wrapper_cls.__name__, kwargs=list(kwargs)):
+                    with pytest.raises(ValueError, match=message):
+                        wrapper_cls(model, **kwargs, **extra)
+        with pytest.raises(TypeError, match="ignored_modules must be an iterable"):
+            FullyShardedDataParallel(self._model(), ignored_modules=3)
+
+
+class TestWrapperWarningsOnOneRank(FSDPTestMultiThread):
+    """Warnings, checked on one rank: ranks in threads share the process's warning filters,
+    so two ranks catching warnings at once can each undo the other's filter."""
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def test_ignoring_the_root_module_warns(self):
+        for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
+            model = nn.Sequential(nn.Linear(4, 4))
+            with self.assertWarnsRegex(
+                UserWarning,
+                "Trying to ignore the top-level module passed into the FSDP constructor itself "
+                "will result in all parameters being ignored",
+            ):
+                wrapper_cls(model, ignored_modules=[model], **extra)
+
+
+class TestWrapperArgumentValues(FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_param_init_fn_must_be_callable(self):
+        for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
+            with pytest.raises(ValueError, match="to be callable"):
+                wrapper_cls(nn.Linear(4, 4, device="meta"), param_init_fn=42, **extra)
+        # torch takes it silently when nothing is on the meta device; it is wrong anyway.
+        with pytest.raises(ValueError, match="Expected param_init_fn to be callable but got int"):
+            FullyShardedDataParallel(nn.Linear(4, 4), param_init_fn=42)
+
+    def test_optimizer_in_backward_needs_use_orig_params(self):
+        for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
+            model = wrapper_cls(
+                nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+                auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                **extra,
+            )
+            _apply_optimizer_in_backward(
+                torch.optim.SGD, model.parameters(), {"lr": 0.1}, register_hook=False
+            )
+            with pytest.raises(RuntimeError, match="only supported with use_orig_params=True"):
+                model(torch.ones(2, 4))
+        # torch steps these optimizers in its post-backward; ours would never step them.
+        model = FullyShardedDataParallel(nn.Linear(4, 4), use_orig_params=True)
+        _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+        with pytest.raises(NotImplementedError, match="optimizer that steps in backward"):
+            model(torch.ones(2, 4))

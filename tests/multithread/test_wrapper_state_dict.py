@@ -18,6 +18,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+from torch.distributed.fsdp import LocalStateDictConfig as TorchLocalConfig
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.distributed.fsdp import StateDictType as TorchStateDictType
@@ -303,6 +304,15 @@ class TestWrapperStateDict(NextToTorchsWrapper):
         self.assertEqual(FSDP.get_state_dict_type(model).state_dict_type, SHARDED)
         with self.assertRaisesRegex(RuntimeError, "LocalStateDictConfig"):
             FSDP.set_state_dict_type(model, LOCAL, FullStateDictConfig())
+        # The phrase torch's test_wrong_state_dict_config matches, from both wrappers.
+        torch_model = TorchFSDP(MLP(DIM), device_id=torch.device("cpu"))
+        for wrapper_cls, wrapped, kind, config in (
+            (FSDP, model, FULL, LocalStateDictConfig()),
+            (TorchFSDP, torch_model, TorchStateDictType.FULL_STATE_DICT, TorchLocalConfig()),
+        ):
+            with self.assertRaisesRegex(RuntimeError, "Expected state_dict_config of type"):
+                with wrapper_cls.state_dict_type(wrapped, kind, config):
+                    pass
         model.layers[0]._state_dict_type = FULL  # instances that disagree
         with self.assertRaisesRegex(AssertionError, "share one state-dict"):
             FSDP.get_state_dict_type(model)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
+import os
 import warnings
 
 import pytest
@@ -486,6 +488,42 @@ class TestWrapperFeatures(FSDPTestMultiThread):
             ours(torch.randn(2, 4)).sum().backward()
             self.assertEqual(repr(ours), repr(theirs))
 
+    def test_batch_norm_keeps_full_precision_like_torch(self):
+        """Under an auto-wrap policy with low-precision buffers, batch norm is wrapped with
+        mixed precision off: its running statistics stay fp32 and it computes in fp32."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+        from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+
+        from reffsdp.wrap import ModuleWrapPolicy
+
+        low = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        low["buffer_dtype"] = torch.bfloat16
+        sides = (
+            (FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, {}),
+            (TorchFSDP, TorchMixedPrecision, TorchModuleWrapPolicy, {"device_id": "cpu"}),
+        )
+        base = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+        self.sync_module_states(base)
+        seen = []
+        for wrapper_cls, mp_cls, policy_cls, extra in sides:
+            model = copy.deepcopy(base)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # both name the batch norm they wrap alone
+                wrapped = wrapper_cls(
+                    model,
+                    mixed_precision=mp_cls(**low),
+                    auto_wrap_policy=policy_cls({nn.Linear}),
+                    **extra,
+                )
+            out = wrapped(torch.arange(12.0).view(3, 4) / 10 + self.rank)
+            out.sum().backward()
+            norm = wrapped.module[1].module
+            seen.append((out.dtype, norm.running_mean.dtype, norm.running_var.dtype, out))
+        self.assertEqual(seen[0][:3], (torch.bfloat16, torch.float32, torch.float32))
+        self.assertEqual(seen[0][:3], seen[1][:3])
+        torch.testing.assert_close(seen[0][3], seen[1][3])
+
     def test_tied_weights(self):
         self.run_subtests(
             {"strategy": [S.FULL_SHARD, S.SHARD_GRAD_OP], "use_orig_params": [False, True]},
@@ -516,7 +554,11 @@ class TestWrapperOnOneRank(FSDPTestMultiThread):
         for strategy in (S.FULL_SHARD, S.SHARD_GRAD_OP):
             seen = []
             for api in ("reffsdp", "torch"):
-                expected = f"`NO_SHARD` instead of {strategy} since the world size is 1"
+                # torch's test_world_size_1_sharding_strategy_warning's pattern
+                expected = (
+                    f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the "
+                    "world size is 1."
+                )
                 with self.assertWarnsRegex(UserWarning, expected):
                     wrapped = blocks_wrapped_by(api, strategy, use_orig_params=True)
                 strategies_run = {
@@ -530,6 +572,37 @@ class TestWrapperOnOneRank(FSDPTestMultiThread):
             blocks_model(), sharding_strategy=S.HYBRID_SHARD, device_mesh=mesh
         )
         self.assertIs(hybrid.sharding_strategy, S.HYBRID_SHARD)
+
+    def test_unsafe_setattr_environment_variable_like_torch(self):
+        """Original parameters are shown through the module's ``__setattr__`` unless
+        FSDP_USE_UNSAFE_SETATTR=1 at construction (one rank: the environment is shared)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+        calls = []
+
+        class SetattrLinear(nn.Linear):
+            def __setattr__(self, name, value):
+                calls.append(name)
+                super().__setattr__(name, value)
+
+        sides = ((FullyShardedDataParallel, {}), (TorchFSDP, {"device_id": "cpu"}))
+        previous = os.environ.pop("FSDP_USE_UNSAFE_SETATTR", None)
+        try:
+            for setting, expect_calls in ((None, True), ("1", False), ("0", True)):
+                if setting is not None:
+                    os.environ["FSDP_USE_UNSAFE_SETATTR"] = setting
+                for (wrapper_cls, extra), use_orig_params in itertools.product(sides, [0, 1]):
+                    model = wrapper_cls(
+                        SetattrLinear(4, 4), use_orig_params=bool(use_orig_params), **extra
+                    )
+                    calls.clear()
+                    model(torch.ones(2, 4))
+                    where = (setting, wrapper_cls.__name__, use_orig_params)
+                    self.assertEqual("weight" in calls, expect_calls, where)
+        finally:
+            os.environ.pop("FSDP_USE_UNSAFE_SETATTR", None)
+            if previous is not None:
+                os.environ["FSDP_USE_UNSAFE_SETATTR"] = previous
 
 
 class TiedStack(nn.Module):

@@ -462,3 +462,15 @@ def test_import_reffsdp_makes_its_submodules_attributes_like_torch():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_names_torch_tests_import_from_the_wrapper_module():
+    """torch's FSDP tests import these private names; reffsdp has them, meaning the same."""
+    import torch.distributed.fsdp.fully_sharded_data_parallel as torch_module
+
+    from reffsdp import fully_sharded_data_parallel as module
+
+    assert module.FLAT_PARAM == torch_module.FLAT_PARAM
+    with fake_process_group(2, rank=0):
+        wrapped = module.FullyShardedDataParallel(nn.Linear(2, 2))
+    assert isinstance(getattr(wrapped.module, module.FLAT_PARAM), reffsdp.FlatParameter)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import threading
 import warnings
 
@@ -82,6 +83,13 @@ POLICIES = {
         w.ModuleWrapPolicy({TransformerBlock, nn.Linear}).__call__
     ),
     "custom": lambda w: w.CustomPolicy(_custom),
+    "or": lambda w: functools.partial(
+        w._or_policy,
+        policies=[
+            functools.partial(w.size_based_auto_wrap_policy, min_num_params=200),
+            functools.partial(w._wrap_module_cls_individually, module_classes=[nn.LayerNorm]),
+        ],
+    ),
 }
 
 
@@ -263,6 +271,13 @@ def test_callable_policy_answers_like_torch(policy_name):
             for numel in (0, 1, 99, 100, 10**8):
                 kwargs = {"module": module, "recurse": recurse, "nonwrapped_numel": numel}
                 assert ours(**kwargs) == theirs(**kwargs), (type(module).__name__, kwargs)
+
+
+@pytest.mark.parametrize("name", ["_or_policy", "_wrap_module_cls_individually"])
+def test_private_helpers_torch_tests_import_have_torchs_signature(name):
+    assert inspect.signature(getattr(ref_wrap, name)).parameters.keys() == (
+        inspect.signature(getattr(torch_wrap, name)).parameters.keys()
+    )
 
 
 def test_size_based_defaults_are_function_attributes():
