@@ -66,6 +66,13 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     return tree_map(visit, tree)
 
 
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with every floating-point tensor cast to ``dtype``, dataclass fields too:
+    how both APIs cast forward inputs (and ``fully_shard`` its outputs) under mixed
+    precision. Integer tensors (token ids, masks) keep their dtype."""
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on its tensor inputs; its backward calls ``hook`` first."""
 

@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 
 from ..core.autograd_hooks import (
+    cast_floating,
     in_backward,
     map_tensors,
     queue_final_callback,
@@ -288,13 +289,13 @@ class FSDPState:
         dtype = self.mp_policy.param_dtype
         if not self.mp_policy.cast_forward_inputs or dtype is None:
             return args, kwargs
-        return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
+        return cast_floating((args, kwargs), dtype)
 
     def _cast_output(self, output: Any) -> Any:
         dtype = self.mp_policy.output_dtype
         if dtype is None:
             return output
-        return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
+        return cast_floating(output, dtype)
 
     # -- state dict hooks ---------------------------------------------------------------
 

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map_only
 
 from ..algorithms import LOW_PRECISION_HOOKS
 from ..api import (
@@ -40,7 +39,13 @@ from ..api import (
     StateDictSettings,
     StateDictType,
 )
-from ..core.autograd_hooks import in_backward, queue_final_callback, register_pre_backward
+from ..core.autograd_hooks import (
+    cast_floating,
+    in_backward,
+    map_tensors,
+    queue_final_callback,
+    register_pre_backward,
+)
 from ..core.collectives import CustomReduction
 from ..core.compile_support import (
     call_through_wrappers,
@@ -559,7 +564,7 @@ class FullyShardedDataParallel(nn.Module):
         ctx.comm.all_gather_stream(self.compute_device).wait_for_compute()
         if self.compute_device.type != "cpu":
             move = lambda t: t.to(self.compute_device, non_blocking=True)  # noqa: E731
-            args, kwargs = tree_map_only(torch.Tensor, move, (args, kwargs))
+            args, kwargs = map_tensors(move, (args, kwargs))
         if not self._is_root:  # a nested instance run on its own casts as a non-root
             return args, kwargs
         return self._cast_inputs(args, kwargs, root=True)
@@ -570,9 +575,7 @@ class FullyShardedDataParallel(nn.Module):
             return args, kwargs
         if not (mp.cast_root_forward_inputs if root else mp.cast_forward_inputs):
             return args, kwargs
-        dtype = mp.param_dtype
-        cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-        return tree_map_only(torch.Tensor, cast, (args, kwargs))
+        return cast_floating((args, kwargs), mp.param_dtype)
 
     def _next_in_forward(self) -> FullyShardedDataParallel | None:
         order = self._root_ctx.forward_order
