@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from reffsdp.core import compat
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -62,7 +64,11 @@ def test_wheel_contains_the_testing_subpackage(tmp_path):
         for line in zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
         if line.startswith("Requires-Dist: torch")
     ]
-    assert requires == ["Requires-Dist: torch>=2.11"], requires
+    # The supported range, as compat states it: the oldest release up to the newest tested.
+    (declared,) = requires
+    oldest, newest = compat.OLDEST_SUPPORTED, compat.NEWEST_TESTED
+    expected = {f">={oldest[0]}.{oldest[1]}", f"<{newest[0]}.{newest[1] + 1}"}
+    assert set(declared.removeprefix("Requires-Dist: torch").split(",")) == expected, declared
 
 
 def test_installed_package_imports_testing():
