@@ -153,10 +153,10 @@ class TestFullyShardTP2D(NDTestMixin, FSDPTestMultiThread):
     def test_dtensor_on_mesh_of_another_device_type(self):
         """TP DTensors on a ``cuda`` or ``meta`` mesh cannot be sharded over a ``cpu`` mesh.
 
-        From torch 2.15, ``nn.Parameter`` of a DTensor on a ``meta`` mesh fails in DTensor
+        From torch 2.14, ``nn.Parameter`` of a DTensor on a ``meta`` mesh fails in DTensor
         itself (it asks the meta device for a device count), so only ``cuda`` is tried there.
         """
-        device_types = ["cuda", "meta"] if compat.TORCH_VERSION < (2, 15) else ["cuda"]
+        device_types = ["cuda", "meta"] if compat.TORCH_VERSION < (2, 14) else ["cuda"]
         self.run_subtests({"device_type": device_types}, self._check_device_mismatch)
 
     def _check_device_mismatch(self, device_type: str) -> None:
@@ -165,7 +165,7 @@ class TestFullyShardTP2D(NDTestMixin, FSDPTestMultiThread):
         linear = nn.Linear(DIM, DIM)
         local = linear.weight.detach()[: DIM // TP]
         # from_local would move the local tensor to the mesh's device, which this machine may
-        # lack (or, for meta on torch 2.15, ask it for a device count); FSDP only reads the
+        # lack (or, for meta from torch 2.14, ask it for a device count); FSDP only reads the
         # DTensor's mesh before refusing it.
         meta = TensorMeta(linear.weight.shape, linear.weight.stride(), local.dtype)
         spec = DTensorSpec(other_tp_mesh, (Shard(0),), meta)

@@ -237,7 +237,10 @@ class TestWrapperIgnoredArguments(FSDPTestMultiThread):
 
 class TestWrapperWarningsOnOneRank(FSDPTestMultiThread):
     """Warnings, checked on one rank: ranks in threads share the process's warning filters,
-    so two ranks catching warnings at once can each undo the other's filter."""
+    so two ranks catching warnings at once can each undo the other's filter. With
+    ``pytest.warns``: unittest's ``assertWarns`` reads every imported module's
+    ``__warningregistry__``, which makes a lazily loading package (transformers, imported by
+    the integration tests) import submodules whose dependencies are not installed."""
 
     @property
     def world_size(self) -> int:
@@ -246,10 +249,10 @@ class TestWrapperWarningsOnOneRank(FSDPTestMultiThread):
     def test_ignoring_the_root_module_warns(self):
         for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
             model = nn.Sequential(nn.Linear(4, 4))
-            with self.assertWarnsRegex(
+            with pytest.warns(
                 UserWarning,
-                "Trying to ignore the top-level module passed into the FSDP constructor itself "
-                "will result in all parameters being ignored",
+                match="Trying to ignore the top-level module passed into the FSDP constructor "
+                "itself will result in all parameters being ignored",
             ):
                 wrapper_cls(model, ignored_modules=[model], **extra)
 

@@ -559,7 +559,7 @@ class TestWrapperOnOneRank(FSDPTestMultiThread):
                     f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the "
                     "world size is 1."
                 )
-                with self.assertWarnsRegex(UserWarning, expected):
+                with pytest.warns(UserWarning, match=expected):
                     wrapped = blocks_wrapped_by(api, strategy, use_orig_params=True)
                 strategies_run = {
                     m.sharding_strategy.name for m in wrapped.modules() if hasattr(m, "_handle")
