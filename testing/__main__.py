@@ -41,7 +41,7 @@ from . import report
 
 # What this command line uses of the engine, reffsdp.testing.parity_suite.
 ENGINE_NAMES = ("SuiteOptions", "list_scenarios", "run_suite", "run_self_test")
-APIS = ("fully_shard", "wrapper")
+APIS = ("fully_shard", "wrapper", "naive")  # naive: reffsdp.naive, a suite scenario only
 MESHES = ("1d", "hsdp", "2d", "3d")
 DEFAULT_WORLD_SIZE = 4
 DEFAULT_STEPS = 3
@@ -155,6 +155,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     """Refuse combinations that cannot run here (``parser.error`` exits with status 2)."""
     if args.device is None:
         args.device = "cuda" if args.backend == "nccl" else "cpu"
+    if args.self_test and "naive" in args.api:
+        parser.error("--self-test plants bugs in fully_shard and the wrapper; --api naive has none")
     if args.backend == "gloo" and args.device != "cpu":
         parser.error("--backend gloo runs on CPU; use --backend nccl or threaded for CUDA")
     if args.backend == "nccl" and args.device != "cuda":

@@ -15,7 +15,9 @@ shard across the ``R`` replicas, ``2 (Psi / S) (R - 1) / R``. The minimum is exa
 what the strategy must move once every parameter is padded the way the strategy pads it
 (each parameter's dim 0 to a multiple of the shard size for ``fully_shard``; for the
 wrapper, the flat parameter, aligned per parameter with ``use_orig_params=True``, to a
-multiple of the shard size). The measured side (:class:`CommTally`) applies the same rule
+multiple of the shard size; for :class:`reffsdp.naive.NaiveFSDP`, each parameter flattened
+and padded to a multiple of ``W``, one unit per parameter, kept unsharded from forward to
+backward: ``2 Psi (W - 1) / W``). The measured side (:class:`CommTally`) applies the same rule
 to every collective reffsdp actually issues, with the size of the group it ran on.
 """
 
@@ -225,6 +227,19 @@ def wrapper_units(
                 reshard_after_forward=reshard_after_forward and not is_root,
             )
         )
+    return units
+
+
+def naive_units(model: nn.Module, shard_size: int) -> list[CommUnit]:
+    """The units :class:`reffsdp.naive.NaiveFSDP` makes of ``model``: one per parameter (a
+    tied one once), flattened and padded to a multiple of ``shard_size``, gathered once per
+    forward and kept for backward; call it before sharding."""
+    units = []
+    for name, param in model.named_parameters():
+        numel = math.ceil(param.numel() / shard_size) * shard_size
+        itemsize = param.dtype.itemsize
+        reduce_numel = numel if param.requires_grad else 0
+        units.append(CommUnit(name, numel, reduce_numel, itemsize, itemsize, False))
     return units
 
 

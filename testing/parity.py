@@ -156,7 +156,9 @@ def check_train_parity(
     and trains it, so the caller can inspect it afterwards. Parameters may be DTensors
     (compared shard by shard) or plain tensors (compared whole); a model wrapped with
     ``reffsdp.FullyShardedDataParallel`` is compared through its original parameters and
-    gradients, rebuilt whole from the flat shards (see :func:`unflattened_params`).
+    gradients, rebuilt whole from the flat shards (see :func:`unflattened_params`), and a
+    ``reffsdp.naive.NaiveFSDP`` through its parameters gathered whole
+    (:func:`naive_params`).
 
     ``make_inputs(iteration, rank)`` returns one forward's inputs: a tensor, a tuple of
     positional arguments, or a dict of keyword arguments (``{"input_ids": ...,
@@ -530,9 +532,11 @@ def _param_problems(
     [Note: default tolerances] in :mod:`reffsdp.testing.tolerances`).
     """
     compare = _Comparison(tolerances, reductions, diffs)
-    unflattened = unflattened_params(model, prefixes_to_ignore)
-    if unflattened is not None:
-        return _unflattened_problems(ref_model, unflattened, compare)
+    whole = unflattened_params(model, prefixes_to_ignore)
+    if whole is None:
+        whole = naive_params(model, prefixes_to_ignore)
+    if whole is not None:
+        return _unflattened_problems(ref_model, whole, compare)
     ref_named = list(ref_model.named_parameters())
     named = list(model.named_parameters())
     ref_names = [name for name, _ in ref_named]
@@ -944,3 +948,43 @@ def _unflattened_problems(
         if mismatch:
             problems.append(f"grad of {name!r} {where}: {mismatch}")
     return problems
+
+
+# -- reffsdp.naive: parameters gathered whole from their slices -----------------------------
+
+
+def naive_params(
+    model: nn.Module, prefixes_to_ignore: Sequence[str] = ()
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """``{name: (full parameter, full gradient or None)}`` of a ``reffsdp.naive.NaiveFSDP``,
+    or ``None`` for any other model.
+
+    Each slice (and its gradient, zeros on a rank that has none) is gathered with a plain
+    ``dist.all_gather``, not through reffsdp's collectives, so that a bug planted there does
+    not reach the checker; the padding is dropped and the shape restored. A gradient is
+    ``None`` when it is ``None`` on every rank. Every rank must call this together.
+    """
+    from reffsdp.naive import NaiveFSDP
+
+    if not isinstance(model, NaiveFSDP):
+        return None
+    has_grad = [naive.shard.grad is not None for naive in model.sharded.values()]
+    flags = torch.tensor(has_grad, dtype=torch.float32, device=_flag_device())
+    if model.world_size > 1 and flags.numel():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=model.group)
+    entries: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for (name, naive), flag in zip(model.sharded.items(), flags.tolist()):
+        shard = naive.shard.detach()
+        grad = None
+        if flag:
+            local = torch.zeros_like(shard) if naive.shard.grad is None else naive.shard.grad
+            grad = _gather_whole(local.detach(), naive.shape, model.group)
+        param = _gather_whole(shard, naive.shape, model.group)
+        entries[_strip_prefixes(name, prefixes_to_ignore)] = (param, grad)
+    return entries
+
+
+def _gather_whole(
+    shard: torch.Tensor, shape: torch.Size, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    return _gather_flat(shard, group)[: shape.numel()].view(shape)

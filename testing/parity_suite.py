@@ -92,7 +92,7 @@ class SuiteOptions:
     backend: str = "threaded"  # "threaded" | "gloo" | "nccl"
     device: str = "cpu"  # "cpu" | "cuda" (threaded backend; gloo=cpu, nccl=cuda)
     world_size: int = 4  # ranks for 1-D/HSDP/2-D; threaded 3-D scenarios get 8
-    api: tuple[str, ...] = ()  # subset of APIS; () = all
+    api: tuple[str, ...] = ()  # subset of SUITE_APIS; () = all
     mesh: tuple[str, ...] = ()  # subset of MESHES; () = all
     only: tuple[str, ...] = ()  # fnmatch globs on scenario names; () = all
     exclude: tuple[str, ...] = ()  # fnmatch globs

@@ -216,6 +216,9 @@ def run_self_test(
     """
     from .parity_suite import iter_results
 
+    unknown = sorted(set(options.api) - set(APIS))
+    if unknown:
+        raise ValueError(f"the self-test plants bugs in {list(APIS)} only, not in {unknown}")
     apis = options.api or APIS
     steps = max(2, options.steps)  # a stale shard shows from the second step on
     options = dataclasses.replace(options, steps=steps)

@@ -1,8 +1,8 @@
 """The parity suite's scenarios: what each one builds, and the matrix they form.
 
 A scenario is one combination of API (``fully_shard`` or the ``FullyShardedDataParallel``
-wrapper), mesh, feature and model. :func:`build_scenario` builds it on the calling rank:
-the unsharded reference, the sharded model, the inputs, the arguments for
+wrapper, and two ``naive`` ones), mesh, feature and model. :func:`build_scenario` builds it
+on the calling rank: the unsharded reference, the sharded model, the inputs, the arguments for
 :func:`~reffsdp.testing.parity.check_train_parity`, and the parameter groups the expected
 collectives are computed from (see :mod:`reffsdp.testing.expected_comms`). The engine in
 :mod:`reffsdp.testing.parity_suite` runs them.
@@ -25,6 +25,13 @@ takes a 2-D ``device_mesh`` only for the hybrid strategies and has no tensor-par
 composition, so its ``2d``/``3d`` cells do not exist. Tensor-parallel scenarios train MLP
 models (the tensor-parallel plan is colwise/rowwise over each MLP block); their tied-weight
 case is :class:`~reffsdp.testing.models.TiedMLPStack`.
+
+Two more scenarios hold the reader's first page, :class:`reffsdp.naive.NaiveFSDP`, to the same
+checks: ``naive/1d/fp32/mlp`` and ``naive/1d/accum/transformer``. Each parameter is one
+all-gather per forward and one reduce-scatter per backward; ``NaiveFSDP`` has no way to skip a
+reduction, so its ``accum`` scenario reduces both microbatches (against DDP doing the same)
+and checks that the second reduced gradient is added to the first. ``naive`` is a suite
+scenario only: :func:`~reffsdp.testing.parity_scenarios` offers ``APIS``, not it.
 
 Features: ``fp32``; ``bf16`` (bf16 compute, fp32 reduction, against
 :class:`~reffsdp.testing.parity.LowPrecisionCompute`); ``offload`` (CPU offload of the
@@ -52,7 +59,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from .build import build_seeded
-from .expected_comms import CommUnit, StepShape, fully_shard_units, wrapper_units
+from .expected_comms import CommUnit, StepShape, fully_shard_units, naive_units, wrapper_units
 from .inputs import random_inputs, random_tokens
 from .models import (
     MLP,
@@ -76,6 +83,7 @@ from .preflight import blocks_of, unsharded_blocks_message
 from .tolerances import Tolerance
 
 APIS = ("fully_shard", "wrapper")
+SUITE_APIS = (*APIS, "naive")  # what the suite runs and selects by
 MESHES = ("1d", "hsdp", "2d", "3d")
 MODELS = ("mlp", "transformer", "convnet")
 FEATURES = (
@@ -197,6 +205,8 @@ class ScenarioSpec:
             return f"the {self.mesh} mesh needs an even number of ranks, at least 4"
         if self.mesh == "3d" and (world_size < 8 or world_size % 4):
             return "the 3d mesh needs a multiple of 4 ranks, at least 8"
+        if self.api == "naive" and world_size < 2:  # one rank still gathers; nothing expects it
+            return "the naive scenarios shard over 2 ranks or more"
         if self.feature == "reshard" and self.mesh == "1d" and world_size % 2:
             return "reshard_after_forward=2 needs an even number of ranks"
         return ""
@@ -216,6 +226,8 @@ def all_specs() -> list[ScenarioSpec]:
                 else:
                     model = (_MODEL_1D if mesh == "1d" else _MODEL_HSDP)[feature]
                 specs.append(ScenarioSpec(api, mesh, feature, model))
+    specs.append(ScenarioSpec("naive", "1d", "fp32", "mlp"))
+    specs.append(ScenarioSpec("naive", "1d", "accum", "transformer"))
     return specs
 
 
@@ -255,6 +267,8 @@ def _make_mesh(mesh: str, device_type: str, api: str) -> _Mesh:
 
     world_size = dist.get_world_size()
     if mesh == "1d":
+        if api == "naive":  # the default group
+            return _Mesh(None, None, world_size, 1, {})
         if api == "wrapper":  # the device as torch's users name it: CPU modules stay there
             return _Mesh(None, None, world_size, 1, {"device_id": torch.device(device_type)})
         return _Mesh(mesh_1d(device_type), None, world_size, 1, {})
@@ -433,6 +447,11 @@ def _shard(spec: ScenarioSpec, model: nn.Module, mesh: _Mesh) -> tuple[nn.Module
         _apply_tensor_parallel(model, spec, mesh.tp_mesh)
     if spec.api == "fully_shard":
         return _shard_fully(model, spec, mesh)
+    if spec.api == "naive":
+        from reffsdp.naive import NaiveFSDP
+
+        units = naive_units(model, mesh.shard_size)  # from the unsharded shapes
+        return NaiveFSDP(model), units
     return _wrap(model, spec, mesh)
 
 
@@ -489,9 +508,13 @@ def build_scenario(spec: ScenarioSpec, device: torch.device, *, seed: int = 0) -
             raise AssertionError(f"{spec.name}: {unsharded}")
         check_kwargs.update(spec.custom.check_kwargs())
     microbatches = 1
+    # NaiveFSDP reduces every backward (see [Note: the matrix]): no no_sync for either side
+    skips_sync = spec.feature == "accum" and spec.api != "naive"
     if spec.feature == "accum":
         microbatches = 2
-        check_kwargs.update(num_microbatches=2, no_sync=_no_sync(spec))
+        check_kwargs["num_microbatches"] = 2
+    if skips_sync:
+        check_kwargs["no_sync"] = _no_sync(spec)
     if spec.feature == "bf16":
         ref_model = LowPrecisionCompute(ref_model, BF16)
         model = Passthrough(model)
@@ -504,7 +527,7 @@ def build_scenario(spec: ScenarioSpec, device: torch.device, *, seed: int = 0) -
         shard_size=mesh.shard_size,
         replicate_size=mesh.replicate_size,
         num_microbatches=microbatches,
-        sync_every_microbatch=spec.feature != "accum",
+        sync_every_microbatch=not skips_sync,
         # on one rank the wrapper runs FULL_SHARD as NO_SHARD, as torch's does
         no_shard=spec.api == "wrapper" and mesh.shard_size == 1 and mesh.replicate_size == 1,
     )
@@ -565,7 +588,7 @@ def select(
             return pattern in name
         return fnmatch.fnmatchcase(name, pattern)
 
-    for value, allowed in ((api, APIS), (mesh, MESHES)):
+    for value, allowed in ((api, SUITE_APIS), (mesh, MESHES)):
         unknown = sorted(set(value) - set(allowed))
         if unknown:
             raise ValueError(f"unknown choice(s) {unknown}; pick from {list(allowed)}")

@@ -4,7 +4,8 @@ One subset of the matrix that covers every feature, every mesh (the 8-rank 3-D o
 both APIs and every model; a planted wrong expected count (and byte minimum) failing a
 scenario whose numbers match; every planted bug of the self-test caught; the analytic
 byte minimum equal to what torch's own FSDP sends (``fully_shard`` and the wrapper, 1-D and
-HSDP); the README's "Checking your own model" example. The whole default run is exercised
+HSDP); the two scenarios of ``reffsdp.naive`` passing, and failing on an extra all-gather;
+the README's "Checking your own model" example. The whole default run is exercised
 by the command-line tests.
 """
 
@@ -30,7 +31,7 @@ from reffsdp.testing.expected_comms import (
     fully_shard_units,
     wrapper_units,
 )
-from reffsdp.testing.models import MLP, MLPStack, init_deterministic
+from reffsdp.testing.models import MLP, MLPStack, ModelArgs, Transformer, init_deterministic
 from reffsdp.testing.parity_suite import SuiteOptions, run_self_test, run_suite
 from reffsdp.testing.suite_scenarios import FEATURES
 
@@ -68,6 +69,32 @@ def test_a_subset_covering_every_feature_mesh_api_and_model_passes():
         assert result.atol is not None and result.rtol is not None
         assert result.world_size == (8 if result.mesh == "3d" else 4)
         json.dumps(result.to_dict())
+
+
+def test_the_naive_scenarios_pass_and_an_extra_all_gather_fails_one(monkeypatch):
+    results = run_suite(SuiteOptions(api=("naive",), steps=2))
+    assert [r.name for r in results] == ["naive/1d/fp32/mlp", "naive/1d/accum/transformer"]
+    for result in results:
+        assert result.status == "passed", (result.name, result.message)
+        assert result.counts == result.expected_counts, result.name
+        assert result.bytes_per_step == result.min_bytes_per_step > 0, result.name
+    # two microbatches, each gathering and reducing every parameter once
+    params = len(list(Transformer(ModelArgs()).parameters()))
+    assert results[1].counts == {"all_gather": 2 * params, "reduce_scatter": 2 * params,
+                                 "all_reduce": 0.0}  # fmt: skip
+
+    from reffsdp.naive import NaiveFSDP
+
+    gather = NaiveFSDP._gather
+
+    def gather_twice(self, naive):
+        gather(self, naive)  # one all-gather too many
+        return gather(self, naive)
+
+    monkeypatch.setattr(NaiveFSDP, "_gather", gather_twice)
+    (result,) = run_suite(SuiteOptions(only=("naive/1d/fp32/mlp",), steps=2))
+    assert result.status == "failed"
+    assert result.message.startswith("counts: all_gather 24 per step, expected 12"), result.message
 
 
 def _numbers(result) -> tuple:

@@ -149,6 +149,14 @@ def test_list_prints_the_selected_names(engine, capsys):
     assert capsys.readouterr().out.split() == ["fully_shard/hsdp/bf16/mlp"]
 
 
+def test_api_naive_lists_the_two_naive_scenarios_of_the_real_engine(capsys):
+    assert cli.main(["--list", "--api", "naive"]) == 0
+    assert capsys.readouterr().out.split() == ["naive/1d/fp32/mlp", "naive/1d/accum/transformer"]
+    assert cli.main(["--list"]) == 0
+    out = capsys.readouterr().out.split()
+    assert len(out) == 64 and out[-2:] == ["naive/1d/fp32/mlp", "naive/1d/accum/transformer"]
+
+
 def test_defaults_and_filters_reach_the_engine_as_options(engine):
     assert cli.main(["--list"]) == 0
     assert engine.options[-1] == SuiteOptions()  # the threaded backend on CPU, 4 ranks
@@ -186,6 +194,7 @@ def test_filters_that_match_nothing_are_a_usage_error(engine, capsys):
         (["--api", "ddp"], "--api: invalid choice: 'ddp'"),
         (["--backend", "mpi"], "--backend: invalid choice: 'mpi'"),
         (["--list", "--self-test"], "--self-test: not allowed with argument --list"),
+        (["--self-test", "--api", "naive"], "--api naive has none"),
     ],
 )
 def test_bad_arguments_name_the_problem(engine, no_cuda, capsys, argv, problem):

@@ -13,11 +13,26 @@ from reffsdp.testing.expected_comms import (
     expected_per_step,
     flat_numel,
     fully_shard_units,
+    naive_units,
     padded_numel,
 )
-from reffsdp.testing.models import MLPStack
-from reffsdp.testing.parity_suite import SuiteOptions, list_scenarios, parity_scenarios
-from reffsdp.testing.suite_scenarios import APIS, FEATURES, MESHES, MODELS, WRAPPER_MESHES
+from reffsdp.testing.models import MLPStack, TiedMLPStack
+from reffsdp.testing.parity_suite import (
+    SuiteOptions,
+    list_scenarios,
+    parity_scenarios,
+    run_self_test,
+)
+from reffsdp.testing.suite_scenarios import (
+    APIS,
+    FEATURES,
+    MESHES,
+    MODELS,
+    WRAPPER_MESHES,
+    ScenarioSpec,
+)
+
+NAIVE = ["naive/1d/fp32/mlp", "naive/1d/accum/transformer"]
 
 
 def names(**kwargs) -> list[str]:
@@ -38,6 +53,32 @@ def test_every_feature_on_every_mesh_of_each_api_and_every_model_on_each_api():
         assert {i.model for i in infos if i.api == api} == set(MODELS)
     assert not [i for i in infos if i.api == "wrapper" and i.mesh in ("2d", "3d")]
     assert all(i.name == f"{i.api}/{i.mesh}/{i.feature}/{i.model}" for i in infos)
+
+
+def test_the_naive_scenarios_run_last_and_only_in_the_suite():
+    everything = names()
+    assert len(everything) == 64 and everything[-2:] == NAIVE
+    assert names(api=("naive",)) == NAIVE
+    assert not [s for s in parity_scenarios() if s.spec.api == "naive"]
+    for apis in (("naive",), ("fully_shard", "naive")):
+        with pytest.raises(ValueError, match="unknown API"):
+            parity_scenarios(apis=apis)
+    with pytest.raises(ValueError, match="plants bugs in"):
+        run_self_test(SuiteOptions(api=("naive",)))
+    spec = ScenarioSpec("naive", "1d", "fp32", "mlp")
+    assert spec.fits(2) == "" and "2 ranks or more" in spec.fits(1)
+
+
+def test_naive_units_pad_each_parameter_flat_and_take_a_tied_one_once():
+    units = naive_units(TiedMLPStack(5), 4)
+    # proj (= head) 5x5; MLPs of hidden width 15, 20, 15: weights 15x5 and 5x15, biases
+    wide, narrow = [76, 16, 76, 8], [100, 20, 100, 8]
+    assert [u.gather_numel for u in units] == [28, *wide, *narrow, *wide]
+    assert all(u.reshard_after_forward is False for u in units)
+    counts, nbytes = expected_per_step(units, StepShape(4, num_microbatches=2))
+    assert counts == {"all_gather": 26.0, "reduce_scatter": 26.0, "all_reduce": 0.0}
+    # 608 fp32 elements, gathered and reduced in each of 2 microbatches, 3/4 of them sent
+    assert nbytes == 2 * 2 * Fraction(608 * 4 * 3, 4)
 
 
 def test_world_sizes_per_backend():

@@ -57,3 +57,10 @@ def test_development_names_the_extra_tox_installs():
     (extra,) = set(re.findall(r"^extras = (\w+)$", tox, flags=re.MULTILINE))
     development = README[README.index("## Development") :]
     assert f"`{extra}` extra" in development
+
+
+def test_the_reading_order_starts_at_the_naive_page():
+    section = README[README.index("## Reading the code") :].split("\n## ")[0]
+    files = re.findall(r"`([\w/]+\.py)`", section)
+    assert files[0] == "reffsdp/naive.py" and (ROOT / files[0]).is_file()
+    assert files.index("core/sharding.py") < files.index("per_param/fully_shard.py")
