@@ -42,55 +42,45 @@ that went on to the next subtest would issue collectives its peers do not match.
 [Note: start-up cost]
 A rank process must import torch, which takes seconds. Spawning a fresh interpreter per rank
 cost about 2.4 s per test on a 2-core machine, so rank processes come from a
-``forkserver`` instead: a server process, itself started fresh (it never inherits the
-pytest process's threads or CUDA state), imports torch, DTensor and dynamo (which the first
-DTensor a process builds imports, about a second's work) once, and each rank process is
-forked from it, then given what a spawned one would inherit from the pytest
-process: ``sys.path``, the environment, stdout and stderr (so pytest captures what ranks
-print). A test then costs 0.1-0.2 s of harness time at world size 2 (0.6 s at 8), group
-set-up and exit included; the server's start, about 1.5 s, is paid once per session. The
-server imports nothing that initializes CUDA, which a forked child could not use. Keeping
-rank processes alive across tests (torch's ``FSDPTestContinuous``) would save little more
-and would let state leak from one test into the next, so every test gets fresh processes.
-Passing ranks meet at a last barrier before tearing their group down (``_leave_together``).
+``forkserver`` instead (see [Note: start methods] in ``launch.py``): a server process,
+itself started fresh (it never inherits the pytest process's threads or CUDA state), imports
+torch, DTensor and dynamo (which the first DTensor a process builds imports, about a
+second's work) once, and each rank process is forked from it. A test then costs 0.1-0.2 s
+of harness time at world size 2 (0.6 s at 8), group set-up and exit included; the server's
+start, about 1.5 s, is paid once per session. The server imports nothing that initializes
+CUDA, which a forked child could not use. Keeping rank processes alive across tests
+(torch's ``FSDPTestContinuous``) would save little more and would let state leak from one
+test into the next, so every test gets fresh processes. Passing ranks meet at a last
+barrier before tearing their group down (``_leave_together``).
 
 [Note: rank processes never outlive pytest]
 A rank left behind would hold a core until its collectives time out, so each rank process
 ends with the pytest process however that ends. When pytest fails a test, is interrupted
-(SIGINT) or stops a test, it ends the test's ranks itself (``_RankProcesses.close``). When
-pytest is killed (SIGKILL, or SIGTERM, which Python does not handle) it cannot, so every rank
-watches for it from a thread: pytest never writes to a rank's pipe, so the pipe turning
-readable means end-of-file, pytest gone, and the rank exits. On Linux the kernel backs this
-up: a rank asks for SIGKILL when its parent, the fork server, dies (``PR_SET_PDEATHSIG``),
-which covers a rank whose main thread holds the interpreter lock, and the fork server ends
-when pytest does. The fork server's resource tracker ends once pytest, the fork server and
-the ranks have all gone.
+(SIGINT) or stops a test, it ends the test's ranks itself (``RankProcesses.close``). When
+pytest is killed (SIGKILL, or SIGTERM, which Python does not handle) it cannot, and the
+ranks end themselves: see [Note: stopping rank processes] in ``launch.py``. The fork server
+ends when pytest does, and its resource tracker once pytest, the fork server and the ranks
+have all gone.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import enum
 import faulthandler
 import functools
 import importlib
 import importlib.util
-import multiprocessing
 import os
-import shutil
 import signal
 import sys
-import tempfile
-import threading
 import time
 import traceback
 import unittest
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Connection, wait
-from multiprocessing.reduction import DupFd
+from multiprocessing.connection import Connection
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -105,14 +95,13 @@ from reffsdp.testing.collective_trace import (
 )
 from reffsdp.testing.common import DistributedTestMixin
 from reffsdp.testing.fake_pg import fake_process_group
+from reffsdp.testing.launch import RankFailed, RankProcesses, RankWorld, spawn_ranks
 
 # Imported by the fork server: [Note: start-up cost].
 _PRELOADED = ["torch", "torch.distributed.tensor", "torch._dynamo"]
 _GRACE_S = 2.0  # once a rank stops abnormally, how long the others get to report
 _STACK_DUMP_WAIT_S = 2.0  # how long a hung rank may take to write its stacks
 _POLL_S = 0.1  # how often the pytest process looks for mismatched collectives
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-_ORPHANED_EXIT_CODE = 70  # a rank that found the pytest process gone
 
 _running_in_rank = False  # set in rank processes; see [Note: how a test method reaches ...]
 
@@ -183,44 +172,42 @@ class _TestAddress:
 
 
 @dataclass(frozen=True)
-class _RankConfig:
+class _TestRun:
+    """What every rank of one test is given."""
+
     test: _TestAddress
-    rank: int
-    world_size: int
     device_type: str
-    store_path: str
-    stack_path: str
-    trace_path: str
     timeout_s: float
-    environment: dict[str, str]
+
+
+def _stack_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"stacks-rank{rank}.txt")
+
+
+def _trace_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"collectives-rank{rank}.json")
 
 
 # ---- inside a rank process -------------------------------------------------------------
 
 
-def _rank_main(config: _RankConfig, conn: Connection, stdout: DupFd, stderr: DupFd) -> None:
+def _rank_main(world: RankWorld, conn: Connection, run: _TestRun) -> None:
     """A rank process: build the default group, run the test, report how it went."""
     global _running_in_rank
     _running_in_rank = True
-    _exit_with_pytest(conn)
-    # The fork server's environment and output streams are those it started with.
-    os.environ.clear()
-    os.environ.update(config.environment)
-    os.dup2(stdout.detach(), 1)
-    os.dup2(stderr.detach(), 2)
-    recorder = CollectiveRecorder(config.trace_path)
+    recorder = CollectiveRecorder(_trace_path(world.directory, world.rank))
     recorder.install()
-    with open(config.stack_path, "w") as stack_file:
+    with open(_stack_path(world.directory, world.rank), "w") as stack_file:
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
         try:
-            case = config.test.load()
-            _init_default_group(config)
+            case = run.test.load()
+            _init_default_group(world, run)
         except Exception:
             detail = "rank set-up failed:\n" + traceback.format_exc()
-            conn.send(_Report(config.rank, _Outcome.FAILED, detail))
+            conn.send(_Report(world.rank, _Outcome.FAILED, detail))
             return
         try:
-            report = _run_test(case, config.rank)
+            report = _run_test(case, world.rank)
             conn.send(report)
             if report.outcome is _Outcome.PASSED and dist.is_initialized():
                 recorder.closing = True
@@ -230,34 +217,16 @@ def _rank_main(config: _RankConfig, conn: Connection, stdout: DupFd, stderr: Dup
                 dist.destroy_process_group()
 
 
-def _exit_with_pytest(conn: Connection) -> None:
-    """End this rank process soon after the pytest process; see [Note: rank processes ...]."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-    def exit_once_pytest_is_gone() -> None:
-        wait([conn])  # readable only at end-of-file: pytest never writes to a rank
-        os._exit(_ORPHANED_EXIT_CODE)
-
-    threading.Thread(target=exit_once_pytest_is_gone, name="exit-with-pytest", daemon=True).start()
-
-
-def _init_default_group(config: _RankConfig) -> None:
-    if config.device_type == "cuda":
-        torch.cuda.set_device(config.rank)
+def _init_default_group(world: RankWorld, run: _TestRun) -> None:
+    if run.device_type == "cuda":
+        torch.cuda.set_device(world.rank)
         # NCCL for CUDA tensors; gloo for the CPU tensors tests also communicate.
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
         # The ranks share the machine's cores; more intra-op threads only thrash.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
-    dist.init_process_group(
-        backend,
-        store=dist.FileStore(config.store_path, config.world_size),
-        rank=config.rank,
-        world_size=config.world_size,
-        timeout=timedelta(seconds=config.timeout_s),
-    )
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.world_size))
+    world.init_process_group(backend, timedelta(seconds=run.timeout_s))
 
 
 def _leave_together() -> None:
@@ -288,60 +257,34 @@ def _run_test(case: unittest.TestCase, rank: int) -> _Report:
 
 
 class _RankProcesses:
-    """The rank processes running one test, and their temporary files."""
+    """The rank processes running one test, and what they leave in their shared folder."""
 
-    def __init__(
-        self, test: _TestAddress, world_size: int, device_type: str, timeout_s: float
-    ) -> None:
-        self._dir = tempfile.mkdtemp(prefix="reffsdp-ranks-")
-        self._processes: list[multiprocessing.process.BaseProcess] = []
-        self._conns: list[Connection] = []
+    def __init__(self, run: _TestRun, world_size: int) -> None:
+        self._ranks: RankProcesses = spawn_ranks(
+            _rank_main,
+            world_size,
+            (run,),
+            start_method="forkserver",  # see [Note: start-up cost]
+            preload=_PRELOADED,
+            name=f"{run.test.qualname}.{run.test.method}",
+        )
         self._reported: set[int] = set()
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(_PRELOADED)
-        store_path = os.path.join(self._dir, "store")
-        try:
-            for rank in range(world_size):
-                config = _RankConfig(
-                    test, rank, world_size, device_type, store_path, self._stack_path(rank),
-                    self._trace_path(rank), timeout_s, dict(os.environ),
-                )  # fmt: skip
-                ours, theirs = context.Pipe()
-                process = context.Process(
-                    target=_rank_main,
-                    args=(config, theirs, DupFd(1), DupFd(2)),  # see [Note: start-up cost]
-                    name=f"{test.qualname}.{test.method}-rank{rank}",
-                    daemon=True,
-                )
-                process.start()
-                theirs.close()  # so that the rank's death reads as end-of-file on ours
-                self._processes.append(process)
-                self._conns.append(ours)
-        except BaseException:
-            self.close()
-            raise
-
-    def _stack_path(self, rank: int) -> str:
-        return os.path.join(self._dir, f"stacks-rank{rank}.txt")
-
-    def _trace_path(self, rank: int) -> str:
-        return os.path.join(self._dir, f"collectives-rank{rank}.json")
 
     def traces(self) -> dict[int, RankTrace]:
         """What each rank that issued a collective issued; see [Note: collective trace]."""
-        found = (read_trace(self._trace_path(rank), rank) for rank in range(len(self._conns)))
+        directory, ranks = self._ranks.directory, range(self._ranks.world_size)
+        found = (read_trace(_trace_path(directory, rank), rank) for rank in ranks)
         return {trace.rank: trace for trace in found if trace is not None}
 
     def wait_for_reports(self, timeout_s: float) -> list[_Report]:
         """Every rank's report, in the order they arrived; see [Note: outcomes]."""
-        waiting = dict(enumerate(self._conns))
+        waiting = set(range(self._ranks.world_size))
         reports: list[_Report] = []
         deadline = time.monotonic() + timeout_s
         while waiting:
             poll_s = min(_POLL_S, max(0.0, deadline - time.monotonic()))
-            ready = wait(list(waiting.values()), timeout=poll_s)
-            for rank in [rank for rank, conn in waiting.items() if conn in ready]:
-                del waiting[rank]
+            for rank in self._ranks.ready(waiting, poll_s):
+                waiting.discard(rank)
                 reports.append(self._receive(rank))
                 if reports[-1].outcome is not _Outcome.PASSED:
                     deadline = min(deadline, time.monotonic() + _GRACE_S)
@@ -356,11 +299,10 @@ class _RankProcesses:
 
     def _receive(self, rank: int) -> _Report:
         try:
-            report = self._conns[rank].recv()
-        except EOFError:
-            process = self._processes[rank]
-            process.join(_GRACE_S)
-            report = _Report(rank, _Outcome.DIED, f"its exit code was {process.exitcode}")
+            report = self._ranks.receive(rank)
+        except RankFailed as failure:
+            outcome = _Outcome.DIED if failure.silent else _Outcome.FAILED
+            report = _Report(rank, outcome, failure.detail)
         self._reported.add(rank)
         return report
 
@@ -369,8 +311,8 @@ class _RankProcesses:
         if outcome is _Outcome.STOPPED:
             return [_Report(rank, outcome) for rank in ranks]
         for rank in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._processes[rank].pid, signal.SIGUSR1)
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(self._ranks.pid(rank), signal.SIGUSR1)  # type: ignore[arg-type]
         deadline = time.monotonic() + _STACK_DUMP_WAIT_S
         while time.monotonic() < deadline and not all(self._stacks(rank) for rank in ranks):
             time.sleep(0.05)
@@ -383,25 +325,14 @@ class _RankProcesses:
 
     def _stacks(self, rank: int) -> str:
         try:
-            with open(self._stack_path(rank)) as stacks:
+            with open(_stack_path(self._ranks.directory, rank)) as stacks:
                 return stacks.read()
         except FileNotFoundError:
             return ""
 
     def close(self) -> None:
         """Stop ranks that never reported, let the others exit, and remove the files."""
-        for rank, process in enumerate(self._processes):
-            if rank not in self._reported and process.is_alive():
-                process.terminate()
-        deadline = time.monotonic() + _GRACE_S
-        for process in self._processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-                process.join()
-        for conn in self._conns:
-            conn.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._ranks.close(_GRACE_S, finishing=self._reported)
 
 
 def _failure_message(reports: list[_Report], world_size: int, traces: dict[int, RankTrace]) -> str:
@@ -495,7 +426,8 @@ class FSDPTest(DistributedTestMixin, unittest.TestCase):
                 f"needs {self.world_size} CUDA devices (one per rank), "
                 f"found {torch.cuda.device_count()}"
             )
-        ranks = _RankProcesses(_TestAddress.of(self), self.world_size, device_type, self.timeout_s)
+        run = _TestRun(_TestAddress.of(self), device_type, self.timeout_s)
+        ranks = _RankProcesses(run, self.world_size)
         try:
             reports = ranks.wait_for_reports(self.timeout_s)
             traces = ranks.traces()

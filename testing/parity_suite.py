@@ -16,7 +16,9 @@ minimum::
 Backends: ``threaded`` (one process, a thread per rank; each scenario gets a world of its
 own size, so the 8-rank 3-D mesh always runs; ``device="cuda"`` puts every rank on one GPU),
 ``gloo`` (a process per rank on CPU) and ``nccl`` (a process per GPU). Process backends run
-every scenario on ``world_size`` ranks and skip those whose mesh does not fit.
+every scenario on ``world_size`` ranks and skip those whose mesh does not fit; their rank
+processes come from :mod:`reffsdp.testing.launch`, which stops them on Ctrl-C (see [Note:
+stopping rank processes] there).
 
 [Note: why the engine counts through the comms seam]
 A ``CommCounter`` would also count DDP's all-reduces, the parity check's own verdict
@@ -31,14 +33,6 @@ it was: the others' message is one line naming the failing ranks, and each rank'
 differences are its own. A result is read on rank 0, so after a failed check every rank
 all-gathers its message and differences (:func:`_gather_failures`): the result's message
 holds every failing rank's mismatches, and its differences are the largest any rank saw.
-
-[Note: stopping the rank processes]
-Ctrl-C reaches the suite's process, and with it (a signal to the process group) every rank
-process. Rank processes start with SIGINT ignored (no traceback while they import torch)
-and later end at once on it, saying nothing: ranks left running would otherwise report
-their peers' disappearance as errors. The launching process, interrupted or not,
-terminates and joins every rank process before it returns (:func:`_stop`), so no rank
-outlives the run, whoever was sent the signal.
 """
 
 from __future__ import annotations
@@ -46,11 +40,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import queue
-import signal
-import tempfile
-import threading
 import time
 import traceback
 import warnings
@@ -58,12 +47,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from fractions import Fraction
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .expected_comms import CommTally, expected_per_step
+from .launch import RankFailed, RankWorld, spawn_ranks
 from .parity import ParityDiffs, check_train_parity
 from .patching import observe_collectives
 from .preflight import check_block_types
@@ -481,26 +472,16 @@ def _iter_threaded(
 
 
 def _process_main(
-    rank: int,
-    world_size: int,
+    world: RankWorld,
+    channel: Connection,
     options: SuiteOptions,
-    store_path: str,
     specs: list[ScenarioSpec],
-    results: Any,
     bug_name: str | None,
 ) -> None:
-    _end_quietly_on_sigint()
-    backend = options.backend
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=_SCENARIO_TIMEOUT_S),
-    )
+    """A rank process: run every scenario in turn; rank 0 sends each result."""
+    if options.backend == "nccl":
+        torch.cuda.set_device(world.rank)
+    world.init_process_group(options.backend, timedelta(seconds=_SCENARIO_TIMEOUT_S))
     bug: BugFactory | None = None
     if bug_name is not None:
         from .self_test import bug_context
@@ -517,10 +498,10 @@ def _process_main(
                     with _quiet(), bug() if bug is not None else nullcontext():
                         result = run_scenario(
                             spec,
-                            options.device_for(rank),
+                            options.device_for(world.rank),
                             steps=options.steps,
                             seed=options.seed,
-                            world_size=world_size,
+                            world_size=world.world_size,
                         )
                     dist.barrier()
                 except Exception as error:  # noqa: BLE001 - reported; the ranks are out of step
@@ -532,19 +513,15 @@ def _process_main(
                         traceback.format_exc(),
                     )
                     broken = f"not run: scenario {spec.name} left the ranks out of step"
-            if rank == 0:
-                results.put(result.to_dict())
+            if world.rank == 0:
+                channel.send(result.to_dict())
     finally:
-        if rank == 0:
-            results.put(None)
         dist.destroy_process_group()
 
 
 def _iter_processes(
     specs: Sequence[ScenarioSpec], options: SuiteOptions, bug_name: str | None = None
 ) -> Iterator[ScenarioResult]:
-    import torch.multiprocessing as mp
-
     world_size = options.world_size
     runnable = []
     for spec in specs:
@@ -557,89 +534,20 @@ def _iter_processes(
             runnable.append(spec)
     if not runnable:
         return
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store_path = os.path.join(tmp, "store")
-        with _sigint_ignored():  # by the rank processes as they start
-            processes = mp.start_processes(
-                _process_main,
-                args=(world_size, options, store_path, list(runnable), results, bug_name),
-                nprocs=world_size,
-                join=False,
-                start_method="spawn",
-            )
-        try:
-            yield from _collect(processes, results, runnable, options)
-        finally:
-            _stop(processes.processes)
-
-
-def _collect(
-    processes: Any, results: Any, runnable: Sequence[ScenarioSpec], options: SuiteOptions
-) -> Iterator[ScenarioResult]:
-    """Yield rank 0's results as they arrive, then a failed one for each scenario that never
-    ran because the rank processes ended early."""
     seen = 0
-    while True:
+    args = (options, runnable, bug_name)
+    with spawn_ranks(_process_main, world_size, args, name="parity") as ranks:
         try:
-            item = results.get(timeout=1.0)
-        except queue.Empty:
-            if processes.join(timeout=0):  # every process ended
-                break
-            continue
-        if item is None:
-            break
-        seen += 1
-        yield ScenarioResult(**item)
-    try:
-        while not processes.join(timeout=30):
-            pass
-    except Exception as error:  # noqa: BLE001 - a rank died: report what never ran
-        message = f"error: a rank process failed: {_last_exception(str(error))}"
-        for spec in runnable[seen:]:
-            yield _crashed(spec, options, message, 0.0, str(error))
-        return
+            for _, item in ranks.messages():  # rank 0's results; the others send none
+                seen += 1
+                yield ScenarioResult(**item)
+        except RankFailed as failure:  # a rank died: report what never ran
+            message = f"error: a rank process failed: {_last_exception(failure.detail)}"
+            for spec in runnable[seen:]:
+                yield _crashed(spec, options, message, 0.0, str(failure))
+            return
     for spec in runnable[seen:]:
         yield _crashed(spec, options, "error: the rank processes ended early", 0.0)
-
-
-@contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """Ignore SIGINT in the block (in the main thread; elsewhere signals never arrive).
-
-    A process started meanwhile keeps SIGINT ignored until it sets a handler of its own,
-    so a Ctrl-C while it imports torch prints no traceback.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _end_quietly_on_sigint() -> None:
-    """In a rank process: end at once, silently, on SIGINT (see [Note: stopping the rank
-    processes])."""
-    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
-
-
-def _stop(processes: Sequence[Any], grace_s: float = 2.0) -> None:
-    """Terminate the rank processes still running and wait until every one has ended;
-    those that outlast ``grace_s`` after SIGTERM are killed (see [Note: stopping the rank
-    processes])."""
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    deadline = time.monotonic() + grace_s
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.kill()
-            process.join()
 
 
 def iter_results(
