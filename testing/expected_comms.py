@@ -78,7 +78,14 @@ class StepShape:
     no_shard: bool = False
 
 
-def _ring_bytes(nbytes: int | Fraction, group_size: int) -> Fraction:
+def ring_bytes(nbytes: int | Fraction, group_size: int) -> Fraction:
+    """Bytes each rank sends in a ring all-gather or reduce-scatter whose unsharded side is
+    ``nbytes`` over ``group_size`` ranks (an all-reduce sends twice that); see the module
+    note. The benchmark's bytes on the wire use it too (``reffsdp.bench.report``)::
+
+        >>> ring_bytes(400, 4)
+        Fraction(300, 1)
+    """
     return Fraction(nbytes) * (group_size - 1) / group_size
 
 
@@ -96,24 +103,24 @@ def expected_per_step(
         gather = unit.gather_numel * unit.gather_itemsize
         if s > 1:
             counts[ALL_GATHER] += m
-            nbytes += m * _ring_bytes(gather, s)
+            nbytes += m * ring_bytes(gather, s)
             rf = unit.reshard_after_forward
             if rf is True or (rf is not False and rf > 1):
                 group = s if rf is True else rf
                 counts[ALL_GATHER] += m
-                nbytes += m * _ring_bytes(gather, group)
+                nbytes += m * ring_bytes(gather, group)
         if unit.reduce_numel == 0:
             continue
         reduce = unit.reduce_numel * unit.reduce_itemsize
         if s > 1:
             counts[REDUCE_SCATTER] += reduces
-            nbytes += reduces * _ring_bytes(reduce, s)
+            nbytes += reduces * ring_bytes(reduce, s)
         elif shape.no_shard:
             counts[ALL_REDUCE] += reduces
-            nbytes += reduces * 2 * _ring_bytes(reduce, s)
+            nbytes += reduces * 2 * ring_bytes(reduce, s)
         if r > 1:
             counts[ALL_REDUCE] += reduces
-            nbytes += reduces * 2 * _ring_bytes(Fraction(reduce, s), r)
+            nbytes += reduces * 2 * ring_bytes(Fraction(reduce, s), r)
     return {key: float(counts[key]) for key in COUNT_KEYS}, nbytes
 
 
@@ -123,7 +130,13 @@ def _local_shape(param: torch.Tensor) -> torch.Size:
 
 
 def padded_numel(shape: Sequence[int], shard_size: int) -> int:
-    """Elements of ``shard_size`` shards of ``ceil(dim0 / shard_size)`` rows each."""
+    """Elements of ``shard_size`` shards of ``ceil(dim0 / shard_size)`` rows each (a scalar
+    pads to one element per shard); ``fully_shard`` pads each parameter so, and the
+    benchmark's fully sharded state counts them so::
+
+        >>> padded_numel((15, 5), 4)  # 16 rows of 5
+        80
+    """
     if not shape:
         return shard_size
     rows = math.ceil(shape[0] / shard_size) * shard_size
@@ -255,7 +268,7 @@ class CommTally:
         key = _KEY_OF[kind]
         size = dist.get_world_size(group)
         self.counts[key] += 1
-        nbytes = _ring_bytes(tensor.numel() * tensor.element_size(), size)
+        nbytes = ring_bytes(tensor.numel() * tensor.element_size(), size)
         self.bytes += 2 * nbytes if key == ALL_REDUCE else nbytes
 
     def per_step(self, steps: int) -> tuple[dict[str, float], Fraction]:

@@ -4,8 +4,10 @@
 The collective counter reports each collective's whole buffer on one rank (the unsharded
 side for all-gather and reduce-scatter). A ring algorithm sends ``(W - 1) / W`` of that
 buffer per rank for an all-gather or reduce-scatter, ``2 (W - 1) / W`` for an all-reduce,
-which is what "sent per rank" shows. The analytic minimum for Ψ parameters, with the
-root's Ψ_root staying unsharded between forward and backward (as both FSDPs do):
+which is what "sent per rank" shows: the parity suite's model of the same bytes
+(``ring_bytes``; [Note: bytes sent per rank] in ``reffsdp.testing.expected_comms``). The
+analytic minimum for Ψ parameters, with the root's Ψ_root staying unsharded between
+forward and backward (as both FSDPs do):
 
 * FULL_SHARD: ``(W - 1) / W * (Ψ b_p + (Ψ - Ψ_root) b_p + Ψ b_r)``: all-gather in
   forward, again in backward for all but the root, reduce-scatter of the gradients; b_p and
@@ -25,6 +27,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from reffsdp.testing.expected_comms import ring_bytes
+
 from .impls import LABELS, TORCH_FULLY_SHARD, strategy
 
 MB = 1e6
@@ -42,8 +46,10 @@ def quartiles(values: list[float]) -> dict[str, float]:
 
 def sent_per_rank(comm_bytes: dict[str, int], world_size: int) -> float:
     """Bytes one rank sends for these collectives with ring algorithms (see the note)."""
-    share = (world_size - 1) / world_size
-    return sum(_RING_FACTOR.get(kind, 0) * share * n for kind, n in comm_bytes.items())
+    sent = sum(
+        _RING_FACTOR.get(kind, 0) * ring_bytes(n, world_size) for kind, n in comm_bytes.items()
+    )
+    return float(sent)
 
 
 def analytic_min_bytes(
@@ -56,15 +62,13 @@ def analytic_min_bytes(
     reduce_bytes: int = 4,
 ) -> float:
     """The least one rank must send per step (see the module note)."""
-    share = (world_size - 1) / world_size
     if strategy == "shard":
-        return share * (
-            params * param_bytes + (params - root_params) * param_bytes + params * reduce_bytes
-        )
+        gathered = params * param_bytes + (params - root_params) * param_bytes
+        return float(ring_bytes(gathered + params * reduce_bytes, world_size))
     if strategy == "shard_grad_op":
-        return share * (params * param_bytes + params * reduce_bytes)
+        return float(ring_bytes(params * param_bytes + params * reduce_bytes, world_size))
     if strategy == "allreduce":
-        return 2 * share * params * 4
+        return float(2 * ring_bytes(params * 4, world_size))
     return 0.0
 
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 from typing import Any
 
 import torch
+
+from reffsdp.testing.expected_comms import padded_numel
 
 from .impls import IMPLS, LABELS, Options, build, skip_reason, strategy
 from .launch import heap_counter_preloaded, run_single_process
@@ -111,10 +112,8 @@ def _print_rows(rows, impls, first: str, label, *, sent: bool = False) -> None:
 
 
 def _padded_numel(model: torch.nn.Module, world_size: int) -> int:
-    return sum(
-        world_size * math.ceil(p.shape[0] / world_size) * math.prod(p.shape[1:])
-        for p in model.parameters()
-    )
+    """Ψ_pad: every parameter padded as ``fully_shard`` pads it for ``world_size`` ranks."""
+    return sum(padded_numel(p.shape, world_size) for p in model.parameters())
 
 
 def run_fake_worlds(config: dict[str, Any]) -> dict[str, Any]:

@@ -239,3 +239,16 @@ def test_analytic_bytes_without_resharding_after_forward():
         assert strategy(name, reshard_after_forward=True) == "shard"
     assert strategy("ddp", reshard_after_forward=False) == "allreduce"
     assert strategy("local", reshard_after_forward=False) is None
+
+
+def test_bytes_and_padding_follow_the_parity_suites_models():
+    """The benchmark's bytes on the wire and its Ψ_pad are the parity suite's ring-bytes
+    model and padded sizes (reffsdp.testing.expected_comms), exact on any world size."""
+    from reffsdp.bench.scaling import _padded_numel
+    from reffsdp.testing.expected_comms import padded_numel, ring_bytes
+
+    sent = sent_per_rank({"all_gather": 300, "reduce_scatter": 300, "all_reduce": 300}, 3)
+    assert sent == float(4 * ring_bytes(300, 3)) == 800.0
+    assert analytic_min_bytes("shard_grad_op", 75, 0, 3) == float(ring_bytes(600, 3)) == 400.0
+    model = torch.nn.Linear(3, 5)  # weight (5, 3), bias (5,): 8 rows each on 4 ranks
+    assert _padded_numel(model, 4) == padded_numel((5, 3), 4) + padded_numel((5,), 4) == 32
