@@ -32,6 +32,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from .suite_backends import iter_results
 from .suite_scenarios import APIS, ScenarioSpec
 
 
@@ -214,8 +215,6 @@ def run_self_test(
     The unpatched scenarios run first: a bug counts as caught only when the same scenario
     passes without it. ``on_result`` is called in this process as each bug finishes.
     """
-    from .parity_suite import iter_results
-
     unknown = sorted(set(options.api) - set(APIS))
     if unknown:
         raise ValueError(f"the self-test plants bugs in {list(APIS)} only, not in {unknown}")
@@ -230,7 +229,7 @@ def run_self_test(
     for bug in BUGS:
         specs = [self_test_spec(bug, api) for api in apis]
         start = time.perf_counter()
-        for spec, result in zip(specs, iter_results(specs, options, bug.name)):
+        for spec, result in zip(specs, iter_results(specs, options, bug.plant)):
             clean = baseline[spec.name]
             if clean.status != "passed":
                 caught, caught_by = (

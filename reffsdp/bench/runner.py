@@ -100,7 +100,7 @@ def run_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, An
     """Benchmark every implementation in ``config["impls"]`` on this rank; the results.
 
     The default process group is already initialized. ``config`` is plain data (see
-    ``cli.run_config``) so it crosses process boundaries.
+    ``run.run_config``) so it crosses process boundaries.
     """
     options: Options = config["options"]
     if options.device.type == "cuda" and options.device.index is None:

@@ -27,6 +27,7 @@ from .launch import heap_counter_preloaded, run_single_process
 from .memory import HeapCounter, MemoryProbe
 from .models import Workload, param_counts
 from .report import MB, analytic_min_bytes, sent_per_rank
+from .run import describe, run_benchmark, run_config
 from .runner import make_step, prime
 
 MODEL_SIZES = ("tiny", "small", "27m", "100m", "220m")
@@ -40,8 +41,6 @@ DEFAULT_IMPLS = ("reffsdp_fully_shard", "torch_fully_shard")
 def run_scaling(args: argparse.Namespace, document: dict[str, Any]) -> None:
     """Run the three tables, printing each, and fill ``document`` as each row finishes (so
     an interrupted run still keeps the rows that did)."""
-    from .cli import describe, run_benchmark, run_config
-
     impls = list(DEFAULT_IMPLS) if list(args.impl) == list(IMPLS) else list(args.impl)
     document.update(impls=impls, model_size=[], world_size=[])
     print(

@@ -22,6 +22,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import reffsdp.testing.parity_suite as parity_suite
+import reffsdp.testing.suite_rank as suite_rank
 from reffsdp.core.comms import Collective
 from reffsdp.testing import FSDPTestMultiThread
 from reffsdp.testing.comm_counter import CommCounter
@@ -142,7 +143,7 @@ def test_one_rank_runs_the_1d_scenarios():
 
 
 def _off_by_one(key):
-    real = parity_suite.expected_per_step
+    real = suite_rank.expected_per_step
 
     def expected(units, shape):
         counts, nbytes = real(units, shape)
@@ -155,7 +156,7 @@ def _off_by_one(key):
 
 @pytest.mark.parametrize("key", ["reduce_scatter", "bytes"])
 def test_a_wrong_expectation_fails_a_scenario_whose_numbers_match(monkeypatch, key):
-    monkeypatch.setattr(parity_suite, "expected_per_step", _off_by_one(key))
+    monkeypatch.setattr(suite_rank, "expected_per_step", _off_by_one(key))
     (result,) = run_suite(SuiteOptions(only=("wrapper/1d/bf16/mlp",), steps=2))
     assert result.status == "failed"
     prefix = "bytes:" if key == "bytes" else "counts: reduce_scatter 3 per step, expected 4"
