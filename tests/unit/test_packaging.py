@@ -76,3 +76,27 @@ def test_installed_package_imports_testing():
 
     assert Path(reffsdp.testing.__file__).parent.name == "testing"
     assert hasattr(reffsdp.testing, "FSDPTestMultiThread")
+
+
+# How each package of the ``test`` extra is used, and where that shows.
+_TEST_EXTRA_USES = {
+    "pytest": ("tests", "import pytest"),
+    "pytest-timeout": ("tests", "pytest.mark.timeout("),
+    "coverage": ("tox.ini", "python -m coverage run"),
+    "setuptools": ("tests/unit/test_packaging.py", '"--no-build-isolation"'),  # builds with it
+}
+
+
+def test_every_package_of_the_test_extra_is_used():
+    """A package declared for the tests is one the tests use: none is installed for nothing."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = [
+        requirement.split(">")[0].split("=")[0].split("<")[0].strip()
+        for requirement in extras["optional-dependencies"]["test"]
+    ]
+    assert sorted(declared) == sorted(_TEST_EXTRA_USES), "say how each new one is used"
+    for name, (where, use) in _TEST_EXTRA_USES.items():
+        path = ROOT / where
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        assert any(use in file.read_text() for file in files), (name, where, use)
