@@ -30,10 +30,11 @@ without ``AVG`` or ``PREMUL_SUM`` (gloo lacks ``PREMUL_SUM``) fall back to sum +
 
 [Note: custom reductions]
 A front end may replace a group's whole reduction (reduce-scatter, HSDP all-reduce and
-every divide) with a :class:`CustomReduction` it supplies, e.g. a user's communication
-hook. The core still lays the gradients out (see [Note: one collective per group]) and
-still hands each member its chunk afterwards; in between it calls the reduction at once,
-on the calling thread, and trusts it to leave the data-parallel result:
+every divide) with a :class:`CustomReduction` it supplies (the wrapper does, to run a user's
+communication hook; ``fully_shard`` supplies none). The core still lays the gradients out
+(see [Note: one collective per group]) and still hands each member its chunk afterwards; in
+between it calls the reduction at once, on the calling thread, and trusts it to leave the
+data-parallel result:
 
 * groups with a shard dimension: ``fn(grad, output)``, ``grad`` the padded input row
   buffer (1D, ``shard_size * N``) and ``output`` (1D, ``N``) this rank's chunk to fill;

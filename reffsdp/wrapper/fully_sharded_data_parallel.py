@@ -47,17 +47,12 @@ from ..core.autograd_hooks import (
     register_pre_backward,
 )
 from ..core.collectives import CustomReduction
-from ..core.compile_support import (
-    call_through_wrappers,
-    install_eager_methods,
-    mark_fsdp_managed,
-    run_eagerly,
-    run_frame_eagerly,
-)
+from ..core.compile_support import install_eager_methods, mark_fsdp_managed, run_eagerly
 from ..core.param_group import GroupSettings, ParamGroup, end_backward
 from ..core.runtime import CommContext
 from ..core.states import TrainingState
 from . import full_params, legacy_optim_state, optim_state, optim_state_load, setup, state_dict
+from .compile_support import call_through_wrappers, run_frame_eagerly
 from .flat_param import FlatParameter, FlatParamHandle, ParamSlot
 
 WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -127,7 +122,8 @@ class FullyShardedDataParallel(nn.Module):
             module, ignored_modules, ignored_states, FullyShardedDataParallel
         )
         mark_fsdp_managed(
-            (m for m in module.modules() if m not in ignored_modules_set), use_orig_params
+            (m for m in module.modules() if m not in ignored_modules_set),
+            params_are_own=use_orig_params,
         )
         install_eager_methods(FullyShardedDataParallel)
         if auto_wrap_policy is not None:
@@ -498,7 +494,7 @@ class FullyShardedDataParallel(nn.Module):
 
     # -- forward ------------------------------------------------------------------------
 
-    @run_frame_eagerly  # see [Note: FSDP work runs outside compiled graphs]
+    @run_frame_eagerly  # see [Note: the wrapper's forward under compile]
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # FSDP's steps run eagerly; the wrapped module between them may be compiled.
         recompute, args, kwargs = self._pre_forward(args, kwargs)
