@@ -4,7 +4,7 @@ Import-compatible with ``torch.distributed.fsdp``: swap ``from torch.distributed
 import X`` for ``from reffsdp import X``.
 
 [Note: process-wide state]
-Almost all state lives on modules, parameters and the per-root contexts. Six things are
+Almost all state lives on modules, parameters and the per-root contexts. Seven things are
 module globals, each safe when every rank is a thread of one process (the threaded test
 harness):
 
@@ -18,6 +18,9 @@ harness):
 * ``core/comms.py`` ``_separate_groups``: the second process group made once per group for
   reduce-scatters, weakly keyed, so it lives as long as the original group. Each rank's
   group is its own object, so ranks never share an entry.
+* ``core/comms.py`` ``_REDUCE_OPS``: the reduce ops each backend carries out, by backend
+  name; ``register_reduce_ops()`` adds a backend defined outside torch (a test harness's)
+  for the process. Every rank registers the same entry.
 * ``per_param/fully_shard.py`` ``_fsdp_classes``: the ``FSDP<Module>`` class made for each
   module class, kept for the process. Two ranks racing to make one class at worst make two
   equivalent classes, both subclasses of ``FSDPModule`` and the module class.
@@ -29,6 +32,11 @@ harness):
   stand-ins that send this package's wrappers to their own state-dict functions and
   everything else to torch's objects. Set once for the process under a lock, never undone;
   the stand-ins keep no state, so ranks share them safely.
+
+Besides these, the first ``fully_shard`` call and the first wrapper built replace their own
+classes' hook methods with dynamo-disabled versions, once (``core/compile_support.py``).
+Every private torch API reffsdp calls is in ``core/torch_internals.py`` (overrides of
+private methods in subclasses aside: see [Note: private torch APIs] there).
 """
 
 from . import wrap as wrap  # ``reffsdp.wrap`` after ``import reffsdp``, as torch's

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import torch_internals
+
 _REASON = "FSDP hooks and collectives run eagerly (see reffsdp/core/compile_support.py)"
 
 
@@ -69,12 +71,11 @@ def install_eager_methods(cls: type) -> None:
 def mark_fsdp_managed(modules: Iterable[nn.Module], params_are_own: bool = True) -> None:
     """Tell ``torch.compile`` that ``modules``' parameters change between calls.
 
-    Dynamo reads these two attributes (torch's FSDP sets them too): it then passes the
-    modules' parameters to graphs as inputs and skips guarding on their identity. It refuses
-    modules whose parameters are not their own (``params_are_own=False``: a front end
-    registered others in their place). Both front ends call it: ``fully_shard`` on the
-    modules it manages, the wrapper on the modules it wraps.
+    Dynamo then passes the modules' parameters to graphs as inputs and skips guarding on
+    their identity (see ``torch_internals.mark_fsdp_managed``). It refuses modules whose
+    parameters are not their own (``params_are_own=False``: a front end registered others
+    in their place). Both front ends call it: ``fully_shard`` on the modules it manages, the
+    wrapper on the modules it wraps.
     """
     for module in modules:
-        module._is_fsdp_managed_module = True  # type: ignore[attr-defined]
-        module._fsdp_use_orig_params = params_are_own  # type: ignore[attr-defined]
+        torch_internals.mark_fsdp_managed(module, params_are_own)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from ..core import torch_internals
 from ..core.compile_support import run_eagerly
 
 
@@ -25,11 +26,7 @@ class run_frame_eagerly(run_eagerly):  # noqa: N801 (a method decorator, named l
     functions it calls may be compiled (a user's compiled module, say)."""
 
     def disabled(self) -> Callable[..., Any]:
-        # ``disable(recursive=False)`` would skip only its own wrapper's frame; ``skip``
-        # marks the function itself, in place.
-        import torch._dynamo.decorators
-
-        return torch._dynamo.decorators.skip(self.fn)
+        return torch_internals.skip_frame(self.fn)
 
 
 def call_through_wrappers(root: nn.Module, wrapper_cls: type[nn.Module]) -> None:
@@ -40,13 +37,7 @@ def call_through_wrappers(root: nn.Module, wrapper_cls: type[nn.Module]) -> None
     parameters stay sharded). Rebuilding its call on the wrapper gives what compiling the
     wrapped block gives.
     """
-    from torch._dynamo.eval_frame import OptimizedModule
-
     for module in root.modules():
-        if not isinstance(module, OptimizedModule):
-            continue
-        wrapper = module._modules.get("_orig_mod")
-        if not isinstance(wrapper, wrapper_cls) or module.__dict__.get("_orig_mod") is wrapper:
-            continue
-        object.__setattr__(module, "_orig_mod", wrapper)
-        module._initialize()
+        child = torch_internals.compiled_module_child(module)
+        if isinstance(child, wrapper_cls):
+            torch_internals.call_compiled_through(module, child)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -41,13 +40,10 @@ import torch.nn as nn
 
 from .. import api
 from ..api import ShardingStrategy
+from ..core import torch_internals
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
-_WRAPPER_NAME = "FSDP"
-_STATE_GETTER_NAME = "_get_module_fsdp_state_if_fully_sharded_module"
 
 _lock = threading.Lock()
 _installed = False
@@ -61,17 +57,12 @@ def install() -> None:
     with _lock:
         if _installed:
             return
-        try:
-            module = importlib.import_module(DCP_STATE_DICT)
-        except ImportError:
-            module = None
-        original = getattr(module, _WRAPPER_NAME, None)
-        state_getter = getattr(module, _STATE_GETTER_NAME, None)
+        module = torch_internals.dcp_state_dict_module()
+        original, state_getter = torch_internals.dcp_wrapper_lookups(module)
         if not isinstance(original, type) or not callable(state_getter):
             warnings.warn(
-                f"{DCP_STATE_DICT} is missing or has no {_WRAPPER_NAME!r} class or "
-                f"{_STATE_GETTER_NAME!r} to extend in this torch version, so its "
-                "get_state_dict/set_state_dict do not "
+                f"{module.__name__} has no {torch_internals.DCP_WRAPPER_LOOKUPS} to extend in "
+                "this torch version, so its get_state_dict/set_state_dict do not "
                 "recognise reffsdp.FullyShardedDataParallel. Use "
                 "FullyShardedDataParallel.state_dict_type() with model.state_dict()/"
                 "load_state_dict() and FullyShardedDataParallel.optim_state_dict()/"
@@ -79,8 +70,9 @@ def install() -> None:
                 stacklevel=4,
             )
         elif not isinstance(original, _StandInMeta):
-            setattr(module, _WRAPPER_NAME, _stand_in(original))
-            setattr(module, _STATE_GETTER_NAME, _state_getter(state_getter))
+            torch_internals.set_dcp_wrapper_lookups(
+                module, _stand_in(original), _state_getter(state_getter)
+            )
         _installed = True
 
 
