@@ -26,12 +26,15 @@ harness):
   equivalent classes, both subclasses of ``FSDPModule`` and the module class.
 * ``wrap.py`` ``_wrap_context``: the ``enable_wrap`` settings, a context variable and so
   per thread.
-* ``wrapper/dcp_support.py`` ``_installed``: whether the first ``FullyShardedDataParallel``
-  built has replaced two module-level names of ``torch.distributed.checkpoint.state_dict``
-  (its ``FSDP`` class and ``_get_module_fsdp_state_if_fully_sharded_module``) with
-  stand-ins that send this package's wrappers to their own state-dict functions and
-  everything else to torch's objects. Set once for the process under a lock, never undone;
-  the stand-ins keep no state, so ranks share them safely.
+* ``wrapper/dcp_support.py`` ``_entered`` and ``_originals``: while a call of
+  ``reffsdp.checkpoint`` (or a ``with reffsdp.checkpoint.recognize_wrappers()`` block) runs,
+  two module-level names of ``torch.distributed.checkpoint.state_dict`` (its ``FSDP`` class
+  and ``_get_module_fsdp_state_if_fully_sharded_module``) hold stand-ins that send this
+  package's wrappers to their own state-dict functions and everything else to torch's
+  objects. A count under a lock puts torch's objects back when the last such call, of any
+  thread, ends; meanwhile other threads see the stand-ins, which act as torch's objects for
+  every model without this package's wrappers. Building a wrapper leaves DCP's module as
+  it was.
 
 Besides these, the first ``fully_shard`` call and the first wrapper built replace their own
 classes' hook methods with dynamo-disabled versions, once (``core/compile_support.py``).

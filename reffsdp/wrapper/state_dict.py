@@ -49,9 +49,10 @@ they are ``DTensor`` s with ``Shard(0)`` on the shard dimension of the wrapper's
 Both load through ``torch.distributed.checkpoint``. ``NO_SHARD`` instances always give
 full state dicts (with a warning), as torch's do.
 
-``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict`` drive these
-same hooks and the optimizer functions of ``optim_state.py`` through ``state_dict_type``:
-see [Note: DCP's state-dict functions and this wrapper] in ``dcp_support.py``.
+``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict``, called
+through ``reffsdp.checkpoint``, drive these same hooks and the optimizer functions of
+``optim_state.py`` through ``state_dict_type``: see [Note: DCP's state-dict functions and
+this wrapper] in ``dcp_support.py``.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ from ..core.torch_internals import (
     registered_children,
     sharded_tensor,
 )
-from . import dcp_support, full_params
+from . import full_params
 from .full_params import WRAPPER_PREFIX as WRAPPED_PREFIX
 from .full_params import _name
 
@@ -125,7 +126,6 @@ def init_state_dict(instance: FullyShardedDataParallel, device_mesh: Any) -> Non
     instance.register_state_dict_post_hook(_post_state_dict_hook)
     instance.register_load_state_dict_pre_hook(_pre_load_state_dict_hook)
     instance.register_load_state_dict_post_hook(_post_load_state_dict_hook)
-    dcp_support.install()
 
 
 def _forget_inherited_mesh(root: FullyShardedDataParallel) -> None:
@@ -165,7 +165,7 @@ def set_state_dict_type(
         warnings.warn(
             "FSDP.state_dict_type() and FSDP.set_state_dict_type() are deprecated in torch in "
             "favour of torch.distributed.checkpoint.state_dict.get_state_dict() and "
-            "set_state_dict()",
+            "set_state_dict(); for reffsdp's wrapper, take those from reffsdp.checkpoint",
             FutureWarning,
             stacklevel=3,
         )
