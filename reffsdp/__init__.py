@@ -4,7 +4,7 @@ Import-compatible with ``torch.distributed.fsdp``: swap ``from torch.distributed
 import X`` for ``from reffsdp import X``.
 
 [Note: process-wide state]
-Almost all state lives on modules, parameters and the per-root contexts. Six things are
+Almost all state lives on modules, parameters and the per-root contexts. Seven things are
 module globals, each safe when every rank is a thread of one process (the threaded test
 harness):
 
@@ -18,17 +18,28 @@ harness):
 * ``core/comms.py`` ``_separate_groups``: the second process group made once per group for
   reduce-scatters, weakly keyed, so it lives as long as the original group. Each rank's
   group is its own object, so ranks never share an entry.
+* ``core/comms.py`` ``_REDUCE_OPS``: the reduce ops each backend carries out, by backend
+  name; ``register_reduce_ops()`` adds a backend defined outside torch (a test harness's)
+  for the process. Every rank registers the same entry.
 * ``per_param/fully_shard.py`` ``_fsdp_classes``: the ``FSDP<Module>`` class made for each
   module class, kept for the process. Two ranks racing to make one class at worst make two
   equivalent classes, both subclasses of ``FSDPModule`` and the module class.
 * ``wrap.py`` ``_wrap_context``: the ``enable_wrap`` settings, a context variable and so
   per thread.
-* ``wrapper/dcp_support.py`` ``_installed``: whether the first ``FullyShardedDataParallel``
-  built has replaced two module-level names of ``torch.distributed.checkpoint.state_dict``
-  (its ``FSDP`` class and ``_get_module_fsdp_state_if_fully_sharded_module``) with
-  stand-ins that send this package's wrappers to their own state-dict functions and
-  everything else to torch's objects. Set once for the process under a lock, never undone;
-  the stand-ins keep no state, so ranks share them safely.
+* ``wrapper/dcp_support.py`` ``_entered`` and ``_originals``: while a call of
+  ``reffsdp.checkpoint`` (or a ``with reffsdp.checkpoint.recognize_wrappers()`` block) runs,
+  two module-level names of ``torch.distributed.checkpoint.state_dict`` (its ``FSDP`` class
+  and ``_get_module_fsdp_state_if_fully_sharded_module``) hold stand-ins that send this
+  package's wrappers to their own state-dict functions and everything else to torch's
+  objects. A count under a lock puts torch's objects back when the last such call, of any
+  thread, ends; meanwhile other threads see the stand-ins, which act as torch's objects for
+  every model without this package's wrappers. Building a wrapper leaves DCP's module as
+  it was.
+
+Besides these, the first ``fully_shard`` call and the first wrapper built replace their own
+classes' hook methods with dynamo-disabled versions, once (``core/compile_support.py``).
+Every private torch API reffsdp calls is in ``core/torch_internals.py`` (overrides of
+private methods in subclasses aside: see [Note: private torch APIs] there).
 """
 
 from . import wrap as wrap  # ``reffsdp.wrap`` after ``import reffsdp``, as torch's

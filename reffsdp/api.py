@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from .core.torch_internals import batch_norm_base
 
 __all__ = [
     "ShardingStrategy",
@@ -94,7 +95,7 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
-    _module_classes_to_ignore: Sequence[type[torch.nn.Module]] = (_BatchNorm,)
+    _module_classes_to_ignore: Sequence[type[torch.nn.Module]] = (batch_norm_base(),)
 
 
 @dataclass

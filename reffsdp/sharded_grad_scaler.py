@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import GradScaler
 from torch.distributed.tensor import DTensor
 
-from reffsdp.core import comms
+from reffsdp.core import comms, torch_internals
 
 __all__ = ["ShardedGradScaler"]
 
@@ -63,19 +63,18 @@ class ShardedGradScaler(GradScaler):
             enabled=enabled,
         )
         self.process_group = process_group
+        self._flag_device = device  # where found-inf flags are all-reduced
 
     def scale(self, outputs: Any) -> Any:
         """Multiply ``outputs`` (a tensor, or lists, tuples or iterables of them) by the
         scale, keeping each tensor's dtype (``GradScaler`` may promote a 0-dim fp16 loss)."""
-        if not self._enabled:
+        if not self.is_enabled():
             return outputs
 
         def apply(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
-                if self._scale is None:
-                    self._lazy_init_scale_growth_tracker(value.device)
-                assert self._scale is not None
-                scale = self._scale.to(device=value.device, non_blocking=True)
+                scale = torch_internals.grad_scaler_scale(self, value.device)
+                scale = scale.to(device=value.device, non_blocking=True)
                 return (value * scale).type(value.dtype)
             if isinstance(value, Iterable):
                 scaled = map(apply, value)
@@ -87,10 +86,8 @@ class ShardedGradScaler(GradScaler):
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale ``optimizer``'s gradients in place and agree on the inf check across ranks."""
         super().unscale_(optimizer)
-        if self._enabled:
-            self._all_reduce_found_inf(
-                self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            )
+        if self.is_enabled():
+            self._all_reduce_found_inf(torch_internals.grad_scaler_found_inf(self, optimizer))
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # The fused-optimizer path of ``step()`` checks without unscaling; agree on it too.
@@ -115,12 +112,11 @@ class ShardedGradScaler(GradScaler):
                 per_device_inv_scale[device] = inv_scale.to(device, copy=True)
                 per_device_found_inf[device] = found_inf.to(device, copy=True)
                 for same_dtype in by_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(
+                    torch_internals.unscale_and_check_(
                         same_dtype, per_device_found_inf[device], per_device_inv_scale[device]
                     )
         if not per_device_found_inf:  # no gradients here: still take part in the all-reduce
-            assert self._scale is not None
-            per_device_found_inf[self._scale.device] = found_inf.to(self._scale.device, copy=True)
+            per_device_found_inf[found_inf.device] = found_inf.clone()
         return per_device_found_inf
 
     def _all_reduce_found_inf(self, found_inf_per_device: dict[Any, torch.Tensor]) -> None:
@@ -128,8 +124,8 @@ class ShardedGradScaler(GradScaler):
         pending = []
         for flag in found_inf_per_device.values():
             on_comm_device = flag
-            if flag.device.type == "cpu" and self._device != "cpu":
-                on_comm_device = flag.to(self._device)
+            if flag.device.type == "cpu" and self._flag_device != "cpu":
+                on_comm_device = flag.to(self._flag_device)
             work = comms.all_reduce(on_comm_device, self.process_group, async_op=True)
             pending.append((flag, on_comm_device, work))
         for flag, on_comm_device, work in pending:
@@ -157,6 +153,6 @@ def _grads_by_device_and_dtype(
                 if grad.dtype is torch.float16:
                     # Coalesce so duplicate indices are summed before the inf check.
                     param.grad = grad = grad.coalesce()
-                grad = grad._values()
+                grad = torch_internals.sparse_values(grad)
             grouped[grad.device][grad.dtype].append(grad)
     return grouped

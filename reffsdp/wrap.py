@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map_only
+
+from .core.torch_internals import tree_map_only
 
 __all__ = [
     "always_wrap_policy",

@@ -21,7 +21,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+
+from .torch_internals import in_backward as in_backward  # the front ends import these two
+from .torch_internals import is_view, tree_leaves, tree_map
+from .torch_internals import queue_final_callback as queue_final_callback
 
 
 def _is_dataclass_instance(value: Any) -> bool:
@@ -114,7 +117,7 @@ def register_pre_backward(
         return output
     for leaf in tensors_in(output):
         if leaf.requires_grad:
-            if leaf._base is not None:
+            if is_view(leaf):
                 warnings.warn(
                     f"{owner} returned a view tensor; an in-place op on it (e.g. `x += y`) "
                     "would drop FSDP's pre-backward hook and skip the all-gather. Use "
@@ -124,13 +127,3 @@ def register_pre_backward(
                 )
             leaf.register_hook(hook)
     return output
-
-
-def queue_final_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the current backward pass finishes."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. activation-checkpoint recompute)."""
-    return torch._C._current_graph_task_id() != -1

@@ -30,10 +30,11 @@ without ``AVG`` or ``PREMUL_SUM`` (gloo lacks ``PREMUL_SUM``) fall back to sum +
 
 [Note: custom reductions]
 A front end may replace a group's whole reduction (reduce-scatter, HSDP all-reduce and
-every divide) with a :class:`CustomReduction` it supplies, e.g. a user's communication
-hook. The core still lays the gradients out (see [Note: one collective per group]) and
-still hands each member its chunk afterwards; in between it calls the reduction at once,
-on the calling thread, and trusts it to leave the data-parallel result:
+every divide) with a :class:`CustomReduction` it supplies (the wrapper does, to run a user's
+communication hook; ``fully_shard`` supplies none). The core still lays the gradients out
+(see [Note: one collective per group]) and still hands each member its chunk afterwards; in
+between it calls the reduction at once, on the calling thread, and trusts it to leave the
+data-parallel result:
 
 * groups with a shard dimension: ``fn(grad, output)``, ``grad`` the padded input row
   buffer (1D, ``shard_size * N``) and ``output`` (1D, ``N``) this rank's chunk to fill;
@@ -52,12 +53,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import comms, compat
+from . import comms
 from .member import GroupMember
 from .mesh import MeshInfo
 from .profiling import in_phase, phase
 from .sharding import pre_post_divide_factors
 from .streams import run_on_stream, wait_event_on_current_stream
+from .torch_internals import chunk_cat, foreach_copy_, premul_sum
 
 AVG = dist.ReduceOp.AVG
 
@@ -118,7 +120,7 @@ def foreach_all_gather(
     output = comm.allocate((total * world_size,), dtype=inputs[0].dtype, device=inputs[0].device)
     my_slice = output.narrow(0, total * rank, total)
     with phase("copy-in"):
-        torch._foreach_copy_(list(my_slice.split(numels)), inputs)
+        foreach_copy_(list(my_slice.split(numels)), inputs)
     work = None
     if world_size > 1:
         work = comm(output, my_slice, group, async_op=async_op)
@@ -187,7 +189,7 @@ def plan_reduction(
             return ReducePlan(dist.ReduceOp.AVG, sum_op, None, None)
         elif comms.supports_reduce_op(group, dist.ReduceOp.PREMUL_SUM):
             factor = 1.0 / divide_factor
-            return ReducePlan(compat.premul_sum(factor), sum_op, None, None, factor)
+            return ReducePlan(premul_sum(factor), sum_op, None, None, factor)
     factor = divide_factor if divide_factor is not None else dp_size
     if overflow_risk:
         pre, post = pre_post_divide_factors(factor)
@@ -313,7 +315,7 @@ def foreach_reduce(
         rs_input = comm.allocate(
             (world_size * shard_numel,), dtype=spec.reduce_dtype, device=grads[0].device
         )
-        torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=rs_input.view(world_size, -1))
+        chunk_cat(grads, world_size, out=rs_input.view(world_size, -1))
     grads.clear()
     if spec.custom_reduction is not None:
         return _custom_reduce(members, rs_input, spec)

@@ -29,6 +29,8 @@ entry names the releases on each side.
 ====  =================================================================  =======  =======
 
 The tests import :data:`TORCH_VERSION` to compare with the installed torch's own behaviour.
+The private torch APIs some entries need are called through ``torch_internals``; this module
+only decides which release needs what.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from . import torch_internals
 
 
 def _parse_version(text: str) -> tuple[int, int]:
@@ -90,11 +94,6 @@ Before 2.13 the factor lives only inside the C++ op, so a process group written 
 cannot carry out ``PREMUL_SUM``."""
 
 
-def premul_sum(factor: float) -> dist.ReduceOp:
-    """A pre-multiplied-sum reduce op: every input scaled by ``factor``, then summed."""
-    return dist._make_nccl_premul_sum(factor)
-
-
 def premul_sum_factor(op: dist.ReduceOp) -> float | torch.Tensor:
     """The factor of a ``PREMUL_SUM`` op; ``NotImplementedError`` before torch 2.13."""
     if not PREMUL_SUM_FACTOR_READABLE:
@@ -116,9 +115,9 @@ def serialized_sharding_propagation() -> Iterator[None]:
     Two things in that step are not safe to run from several threads:
 
     * entering the mode registers a no-op device guard for CUDA when a CUDA build of torch
-      runs without a GPU (``torch._C._ensureCUDADeviceGuardSet``). On torch 2.11 that crashed
-      threaded runs (SIGSEGV inside the registration while other rank threads computed),
-      even with the step below serialized. Registering it here, before any rank thread
+      runs without a GPU (``torch_internals.ensure_cuda_device_guard_set``). On torch 2.11
+      that crashed threaded runs (SIGSEGV inside the registration while other rank threads
+      computed), even with the step below serialized. Registering it here, before any rank thread
       starts, leaves the threads nothing to register.
     * two threads inside fake modes at once. From 2.12, DTensor reads an opt-in lock class
       attribute around the step; before, the step itself is wrapped. Only that step is
@@ -126,26 +125,13 @@ def serialized_sharding_propagation() -> Iterator[None]:
 
     Call it from the thread that starts the rank threads.
     """
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator as propagator
-
-    torch._C._ensureCUDADeviceGuardSet()
-    lock = threading.Lock()
+    torch_internals.ensure_cuda_device_guard_set()
     if TORCH_VERSION >= (2, 12):
-        name, replacement = "_fake_mode_lock", lock
+        serialized = torch_internals.fake_mode_lock
     else:
-        name = "_propagate_tensor_meta_non_cached"
-        unlocked = propagator.__dict__[name]
-
-        def replacement(self: Any, op_schema: Any) -> Any:
-            with lock:
-                return unlocked(self, op_schema)
-
-    saved = propagator.__dict__[name]
-    setattr(propagator, name, replacement)
-    try:
+        serialized = torch_internals.locked_tensor_meta_propagation
+    with serialized(threading.Lock()):
         yield
-    finally:
-        setattr(propagator, name, saved)
 
 
 # 4. The flight recorder. --------------------------------------------------------------------
@@ -164,7 +150,7 @@ def no_flight_recorder_for(backend: str) -> Iterator[None]:
     if TORCH_VERSION < (2, 15):
         yield
         return
-    skip = dist.distributed_c10d._FR_SELF_RECORDING_BACKENDS
+    skip = torch_internals.self_recording_backends()
     added = backend not in skip
     skip.add(backend)
     try:

@@ -12,9 +12,9 @@ pre-backward and post-backward hooks, the final callback -- runs under
 :func:`run_eagerly`: when a compiled region reaches one, dynamo stops the graph there, runs
 the hook as plain Python, and resumes compiling the module's own code after it.
 
-The wrapper API runs FSDP work inside its own ``forward`` around the call of the wrapped
-module. That forward is a :class:`run_frame_eagerly` method: its own code runs eagerly,
-but the wrapped module it calls is still compiled (when the user compiled it).
+A front end whose own code must run eagerly around a call it wants compiled (the
+wrapped module's forward, say) subclasses :class:`run_eagerly` with its own
+:meth:`~run_eagerly.disabled`.
 
 Dynamo also needs to know that the parameters of sharded modules change identity between
 steps (unsharded views are rebuilt, sharded tensors come back): ``mark_fsdp_managed`` sets
@@ -24,12 +24,14 @@ as constants.
 
 from __future__ import annotations
 
-import inspect
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 import torch.nn as nn
+
+from . import torch_internals
 
 _REASON = "FSDP hooks and collectives run eagerly (see reffsdp/core/compile_support.py)"
 
@@ -39,10 +41,8 @@ class run_eagerly:  # noqa: N801 (a method decorator, named like one)
 
     Takes effect once :func:`install_eager_methods` ran on the class (its constructor
     does); until then the method is plain. See [Note: FSDP work runs outside compiled
-    graphs].
+    graphs]. Both front ends mark their hooks with it.
     """
-
-    recursive = True
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
@@ -50,73 +50,32 @@ class run_eagerly:  # noqa: N801 (a method decorator, named like one)
     def __get__(self, obj: Any, objtype: type | None = None) -> Callable[..., Any]:
         return self.fn if obj is None else types.MethodType(self.fn, obj)
 
-
-class run_frame_eagerly(run_eagerly):  # noqa: N801
-    """Method decorator: the method's own code runs outside compiled graphs, but the
-    functions it calls may be compiled (a user's compiled module, say)."""
-
-    recursive = False
+    def disabled(self) -> Callable[..., Any]:
+        """The method as :func:`install_eager_methods` puts it on the class."""
+        return torch.compiler.disable(self.fn, recursive=True, reason=_REASON)
 
 
 def install_eager_methods(cls: type) -> None:
     """Put the dynamo-disabled versions of ``cls``'s :class:`run_eagerly` methods in place.
 
-    Called from constructors, not at import: importing ``torch._dynamo`` is slow and loads
-    torch's own FSDP. After the first call, ``cls`` holds plain functions again, so looking
-    a hook up costs what it always did and is never itself traced.
+    Called from constructors, not at import: importing ``torch._dynamo`` (which
+    ``torch.compiler.disable`` does) is slow and loads torch's own FSDP. After the first
+    call, ``cls`` holds plain functions again, so looking a hook up costs what it always did
+    and is never itself traced.
     """
-    marked = {name: attr for name, attr in vars(cls).items() if isinstance(attr, run_eagerly)}
-    if not marked:
-        return
-    import torch._dynamo
-    import torch._dynamo.decorators
-
-    kwargs: dict[str, Any] = {}
-    if "reason" in inspect.signature(torch._dynamo.disable).parameters:  # torch 2.7+
-        kwargs["reason"] = _REASON
-    for name, attr in marked.items():
-        if attr.recursive:
-            setattr(cls, name, torch._dynamo.disable(attr.fn, recursive=True, **kwargs))
-        else:
-            # ``disable(recursive=False)`` would skip only its own wrapper's frame; ``skip``
-            # marks the function itself, in place.
-            setattr(cls, name, torch._dynamo.decorators.skip(attr.fn))
+    for name, attr in list(vars(cls).items()):
+        if isinstance(attr, run_eagerly):
+            setattr(cls, name, attr.disabled())
 
 
-def mark_fsdp_managed(modules: Iterable[nn.Module], use_orig_params: bool = True) -> None:
+def mark_fsdp_managed(modules: Iterable[nn.Module], params_are_own: bool = True) -> None:
     """Tell ``torch.compile`` that ``modules``' parameters change between calls.
 
-    Dynamo reads these two attributes (torch's FSDP sets them too): it then passes the
-    modules' parameters to graphs as inputs and skips guarding on their identity. It refuses
-    ``use_orig_params=False`` modules, whose parameters are not the modules' own.
+    Dynamo then passes the modules' parameters to graphs as inputs and skips guarding on
+    their identity (see ``torch_internals.mark_fsdp_managed``). It refuses modules whose
+    parameters are not their own (``params_are_own=False``: a front end registered others
+    in their place). Both front ends call it: ``fully_shard`` on the modules it manages, the
+    wrapper on the modules it wraps.
     """
     for module in modules:
-        module._is_fsdp_managed_module = True  # type: ignore[attr-defined]
-        module._fsdp_use_orig_params = use_orig_params  # type: ignore[attr-defined]
-
-
-def call_through_wrappers(root: nn.Module, wrapper_cls: type[nn.Module]) -> None:
-    """Make each ``torch.compile(block)`` in ``root`` call the wrapper auto-wrap put inside it.
-
-    Auto-wrapping replaces a compiled block's ``_orig_mod`` child with the wrapper, but the
-    compiled module still calls the block it was built around, bypassing the wrapper (its
-    parameters stay sharded). Rebuilding its call on the wrapper gives what compiling the
-    wrapped block gives. Torch versions without the hook to do so get a clear error.
-    """
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    for path, module in root.named_modules():
-        if not isinstance(module, OptimizedModule):
-            continue
-        wrapper = module._modules.get("_orig_mod")
-        if not isinstance(wrapper, wrapper_cls) or module.__dict__.get("_orig_mod") is wrapper:
-            continue
-        if not hasattr(module, "_initialize"):
-            raise ValueError(
-                f"{path or 'the root module'} was compiled with torch.compile before "
-                f"{wrapper_cls.__name__} wrapped the module inside it, so it would call the "
-                "module without its wrapper. Compile after wrapping (compile the wrapped "
-                "blocks), or compile in place before wrapping (block.compile())"
-            )
-        object.__setattr__(module, "_orig_mod", wrapper)
-        module._initialize()
+        torch_internals.mark_fsdp_managed(module, params_are_own)

@@ -49,6 +49,9 @@ class GroupSettings:
     # Issue forward/backward all-gathers on the current stream instead of the side stream.
     unshard_async_op: bool = False
     gradient_divide_factor: float | None = None
+    # Sum and divide even where the backend could average (see [Note: gradient divide
+    # factors]). Both front ends use it: fully_shard's set_force_sum_reduction_for_comms,
+    # and the wrapper always (torch's wrapper's numerics).
     force_sum_reduction: bool = False
     reduce_scatter_unused_params: bool = False
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
@@ -59,6 +62,7 @@ class GroupSettings:
     # None: 1 on an accelerator, 0 on CPU (see [Note: bounded in-flight reductions]).
     max_pending_reduces: int | None = None
     # Replaces the reduce-scatter, all-reduce and divides (see [Note: custom reductions]).
+    # A seam any front end may fill; today only the wrapper does, for communication hooks.
     custom_reduction: CustomReduction | None = None
 
 

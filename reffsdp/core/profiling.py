@@ -16,12 +16,9 @@ from typing import Any, TypeVar
 
 import torch
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+from .torch_internals import profiler_enabled
 
-# True while a torch.profiler (or autograd profiler) session is recording.
-_profiler_enabled: Callable[[], bool] = getattr(
-    torch._C._autograd, "_profiler_enabled", lambda: True
-)
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class _NoRange:
@@ -37,7 +34,7 @@ _NO_RANGE = _NoRange()
 
 def phase(name: str) -> Any:
     """A context naming the code it wraps ``name`` in a running profiler's trace."""
-    if _profiler_enabled():
+    if profiler_enabled():
         return torch.profiler.record_function(name)
     return _NO_RANGE
 
@@ -48,7 +45,7 @@ def in_phase(name: str) -> Callable[[_F], _F]:
     def decorate(fn: _F) -> _F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not _profiler_enabled():
+            if not profiler_enabled():
                 return fn(*args, **kwargs)
             with torch.profiler.record_function(name):
                 return fn(*args, **kwargs)

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Shard
 from ..core.compile_support import mark_fsdp_managed
 from ..core.mesh import MeshInfo
 from ..core.param_group import GroupSettings, ParamGroup
+from ..core.torch_internals import is_fsdp_managed
 from .api import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -223,7 +224,7 @@ def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
         if id(m) in seen:
             return
         seen.add(id(m))
-        if getattr(m, "_is_fsdp_managed_module", False):
+        if is_fsdp_managed(m):
             raise ValueError(
                 f"{type(m).__name__} is already managed by an enclosing fully_shard call; "
                 "apply fully_shard bottom-up (children before their parent)"

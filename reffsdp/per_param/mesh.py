@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..core import torch_internals
 from ..core.mesh import MeshInfo
 
 
@@ -108,7 +108,7 @@ def sharded_spec(
             tp_shards *= tp.mesh.size(dim)
     dp_placement: Placement = Shard(shard_dim)
     if tp_shards > 1:
-        dp_placement = _StridedShard(shard_dim, split_factor=tp_shards)
+        dp_placement = torch_internals.strided_shard(shard_dim, split_factor=tp_shards)
     mesh = concatenate_meshes(mesh_info.mesh, tp.mesh)
     return mesh, (*mesh_info.placements(dp_placement), *tp.placements)
 
@@ -197,7 +197,9 @@ class SpmdDims:
         for dim in self.shard_dims:
             split = self._non_dp_shards(placements, shard_dim, after=dim)
             result[dim] = (
-                _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
+                torch_internals.strided_shard(shard_dim, split_factor=split)
+                if split > 1
+                else Shard(shard_dim)
             )
         return tuple(result)
 
@@ -216,7 +218,7 @@ class SpmdDims:
         pieces = 1
         for dim in range(after + 1, self.mesh.ndim):
             placement = placements[dim]
-            if dim in self.dp_dims or not isinstance(placement, (Shard, _StridedShard)):
+            if dim in self.dp_dims or not torch_internals.cuts_a_dim(placement):
                 continue
             if placement.dim == tensor_dim:
                 pieces *= self.mesh.size(dim)
@@ -272,21 +274,11 @@ def flatten_dims(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     """A 1D mesh over the named dims of ``mesh``, ranks in row-major order."""
     if len(names) == 1:
         return mesh[names[0]]
-    # DeviceMesh has no public flatten yet. ``_flatten`` builds (once, then caches by name)
-    # the 1D mesh and its process group over exactly these ranks.
-    return mesh[names]._flatten("_".join(names))
+    # Built once, then cached by name: the 1D mesh and its process group over exactly
+    # these ranks.
+    return torch_internals.flatten_mesh(mesh[names], "_".join(names))
 
 
 def concatenate_meshes(first: DeviceMesh, second: DeviceMesh) -> DeviceMesh:
-    """One mesh whose dims are ``first``'s then ``second``'s (both slices of one root mesh).
-
-    DeviceMesh has no public way to join slices yet: newer torch has ``_concatenate``;
-    older torch can slice the shared root mesh by the dims' names.
-    """
-    concatenate = getattr(DeviceMesh, "_concatenate", None)
-    if concatenate is not None:
-        return concatenate([first, second])
-    from torch.distributed.device_mesh import _mesh_resources
-
-    root = _mesh_resources.get_root_mesh(first)
-    return root[(*first.mesh_dim_names, *second.mesh_dim_names)]
+    """One mesh whose dims are ``first``'s then ``second``'s (both slices of one root mesh)."""
+    return torch_internals.concatenate_meshes([first, second])

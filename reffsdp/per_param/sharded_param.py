@@ -35,15 +35,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-# DTensorSpec/TensorMeta: the only way to wrap a host shard on an accelerator mesh, and the
-# cheap way to wrap a gradient (see ``ShardedParam._to_dtensor``).
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
+from ..core import torch_internals
 from ..core.compat import fully_shard_default_reduce_dtype
 from ..core.member import GroupMember, resolve_dtypes, with_storage
 from ..core.mesh import MeshInfo
@@ -61,19 +59,13 @@ class ParamRef:
     def set(self, param: nn.Parameter) -> None:
         # Writing the dict directly skips nn.Module.__setattr__'s checks: this is a swap
         # of one registered parameter for another, on the hot path of every unshard.
-        self.module._parameters[self.name] = param
+        torch_internals.registered_parameters(self.module)[self.name] = param
 
 
 def _local_tensor(dtensor: DTensor) -> torch.Tensor:
     """The local tensor of a DTensor itself (not an autograd view of it)."""
     with torch.no_grad():
         return dtensor.to_local()
-
-
-def _set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
-    # DTensor has no public setter; we swap in a view of our padded buffer after
-    # ``module.to(...)``/``to_empty`` replaced the local tensor with a new one.
-    dtensor._local_tensor = local
 
 
 _uids = itertools.count()
@@ -128,7 +120,7 @@ class ShardedParam(GroupMember):
             self.tp_spec = TensorParallelSpec(param.device_mesh, tuple(param.placements))
         self.global_size = param.size()
         self.spec_mesh, self.spec_placements = sharded_spec(mesh_info, self.shard_dim, self.tp_spec)
-        self._dtensor_specs: dict[torch.dtype, DTensorSpec] = {}  # see _to_dtensor
+        self._dtensor_specs: dict[torch.dtype, Any] = {}  # see _to_dtensor
         local_param = param.to_local() if isinstance(param, DTensor) else param
         self.layout = ShardLayout(
             local_param.size(), self.shard_dim, mesh_info.shard_size, mesh_info.shard_rank
@@ -179,13 +171,15 @@ class ShardedParam(GroupMember):
         """
         spec = self._dtensor_specs.get(local.dtype)
         if spec is None:
-            spec = DTensorSpec(
+            spec = torch_internals.dtensor_spec(
                 self.spec_mesh,
                 tuple(self.spec_placements),
-                TensorMeta(self.global_size, contiguous_strides(self.global_size), local.dtype),
+                self.global_size,
+                contiguous_strides(self.global_size),
+                local.dtype,
             )
             self._dtensor_specs[local.dtype] = spec
-        return DTensor(local, spec, requires_grad=False)
+        return torch_internals.dtensor_from_spec(local, spec)
 
     def reset_sharded_param(self, *, loading: bool = False) -> None:
         """Re-read the registered parameter and re-pad its local tensor if it changed.
@@ -212,7 +206,9 @@ class ShardedParam(GroupMember):
                 f"{self.fqn}: with CPU offload, sharded parameters must be on the CPU, got "
                 f"{local.device}; load a CPU state dict or use to_empty(device='cpu')"
             )
-        _set_local_tensor(self.sharded_param, self._local_view())
+        # A view of our padded buffer in place of the local tensor ``module.to(...)`` or
+        # ``to_empty`` made: the parameter object stays the same.
+        torch_internals.set_dtensor_local(self.sharded_param, self._local_view())
         self.gathered = None
         self.unsharded_param = None
         self._unsharded_data = None
@@ -240,9 +236,11 @@ class ShardedParam(GroupMember):
 
     def _adopt_replacement(self, loading: bool) -> None:
         """Take over a parameter registered in place of ours (see [Note: replaced parameters])."""
-        # ``_parameters``, not getattr: only a registered parameter counts, not a plain
-        # attribute or property of the same name.
-        registered = [ref.module._parameters.get(ref.name) for ref in self.refs]
+        # The registered parameters, not getattr: only a registered parameter counts, not a
+        # plain attribute or property of the same name.
+        registered = [
+            torch_internals.registered_parameters(ref.module).get(ref.name) for ref in self.refs
+        ]
         if all(p is self.sharded_param for p in registered):
             return
         kept = any(p is self.sharded_param for p in registered)
@@ -309,7 +307,8 @@ class ShardedParam(GroupMember):
     def check_registered(self) -> None:
         """Refuse a parameter replaced after lazy init (see [Note: replaced parameters])."""
         for ref in self.refs:
-            current = ref.module._parameters.get(ref.name)  # see _adopt_replacement
+            # see _adopt_replacement
+            current = torch_internals.registered_parameters(ref.module).get(ref.name)
             if current is None or (
                 current is not self.sharded_param and current is not self.unsharded_param
             ):
@@ -546,9 +545,8 @@ class ShardedParam(GroupMember):
         local_grad = local_grad.to(self.orig_dtype)
         param = self.sharded_param
         # Reduced gradients bypass AccumulateGrad, so we run the hooks it would have run
-        # (e.g. an optimizer stepping inside backward). They live only in this private dict:
-        # torch has no public way to list a tensor's post-accumulate-grad hooks.
-        hooks = list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values())
+        # (e.g. an optimizer stepping inside backward).
+        hooks = torch_internals.post_accumulate_grad_hooks(param)
         in_flight = self.offload and self.pin_memory and param.grad is None and not hooks
         if self.offload:
             local_grad = local_grad.to("cpu", non_blocking=in_flight)

@@ -13,27 +13,30 @@ wrapper by looking up module-level names of ``torch.distributed.checkpoint.state
 
 A model of this package's wrappers passes none of them, and DCP then treats it as an
 unsharded module: every rank saves its own shards of the optimizer state as if they were
-whole. :func:`install` therefore replaces those two names, once per process, with stand-ins
-that send a model holding this package's wrappers to its own ``state_dict_type``,
-``optim_state_dict`` and ``optim_state_dict_to_load`` (translating torch's ``StateDictType``
-and config objects into ours, field for field) and everything else to the object DCP had.
-``isinstance(x, stand_in)`` holds for instances of either class. A model mixing both kinds
-of wrapper is refused with an error.
+whole. :func:`stand_ins` therefore replaces those two names, for as long as it is entered,
+with stand-ins that send a model holding this package's wrappers to its own
+``state_dict_type``, ``optim_state_dict`` and ``optim_state_dict_to_load`` (translating
+torch's ``StateDictType`` and config objects into ours, field for field) and everything else
+to the object DCP had. ``isinstance(x, stand_in)`` holds for instances of either class. A
+model mixing both kinds of wrapper is refused with an error. ``reffsdp.checkpoint``'s
+functions are DCP's, called inside :func:`stand_ins`.
 
-The stand-ins are installed when the first wrapper is built (importing DCP's module if
-needed, which imports torch's FSDP package: DCP's own dependency, never used here). When
-DCP's module lacks the names (another torch version), nothing is replaced and a
-``UserWarning`` says to use ``FullyShardedDataParallel.state_dict_type``, ``state_dict()``
-and ``FullyShardedDataParallel.optim_state_dict`` instead.
+Nothing is replaced outside such a call: building a wrapper leaves DCP's module alone. The
+ranks of the threaded harness are threads of one process and may be inside at once, so the
+names are replaced when the first enters and restored when the last leaves (a count under a
+lock). Meanwhile every thread of the process sees the stand-ins, which act as torch's
+objects for any model without this package's wrappers.
+
+DCP's module is imported at the first call (it imports torch's FSDP package: DCP's own
+dependency, never used here). Where it lacks the names (another torch release), entering
+raises an error naming the wrapper's own state-dict calls to use instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -41,47 +44,57 @@ import torch.nn as nn
 
 from .. import api
 from ..api import ShardingStrategy
+from ..core import torch_internals
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel
 
-DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
-_WRAPPER_NAME = "FSDP"
-_STATE_GETTER_NAME = "_get_module_fsdp_state_if_fully_sharded_module"
-
 _lock = threading.Lock()
-_installed = False
+_entered = 0  # calls inside stand_ins() now, every thread together
+_originals: tuple[Any, Any] = (None, None)  # DCP's own objects while ours stand in
 
 
-def install() -> None:
-    """Teach DCP's state-dict functions about this package's wrapper (idempotent)."""
-    global _installed
-    if _installed:
-        return
+@contextlib.contextmanager
+def stand_ins() -> Iterator[None]:
+    """Inside, DCP's state-dict functions recognise this package's wrapper (see [Note: DCP's
+    state-dict functions and this wrapper])."""
+    _enter()
+    try:
+        yield
+    finally:
+        _leave()
+
+
+def _enter() -> None:
+    global _entered, _originals
     with _lock:
-        if _installed:
-            return
-        try:
-            module = importlib.import_module(DCP_STATE_DICT)
-        except ImportError:
-            module = None
-        original = getattr(module, _WRAPPER_NAME, None)
-        state_getter = getattr(module, _STATE_GETTER_NAME, None)
-        if not isinstance(original, type) or not callable(state_getter):
-            warnings.warn(
-                f"{DCP_STATE_DICT} is missing or has no {_WRAPPER_NAME!r} class or "
-                f"{_STATE_GETTER_NAME!r} to extend in this torch version, so its "
-                "get_state_dict/set_state_dict do not "
-                "recognise reffsdp.FullyShardedDataParallel. Use "
-                "FullyShardedDataParallel.state_dict_type() with model.state_dict()/"
-                "load_state_dict() and FullyShardedDataParallel.optim_state_dict()/"
-                "optim_state_dict_to_load() instead",
-                stacklevel=4,
+        if _entered == 0:
+            module = torch_internals.dcp_state_dict_module()
+            wrapper, state_getter = torch_internals.dcp_wrapper_lookups(module)
+            if not isinstance(wrapper, type) or not callable(state_getter):
+                raise RuntimeError(
+                    f"{module.__name__} has no {torch_internals.DCP_WRAPPER_LOOKUPS} to "
+                    "extend in this torch release, so its get_state_dict/set_state_dict cannot "
+                    "recognise reffsdp.FullyShardedDataParallel. Use "
+                    "FullyShardedDataParallel.state_dict_type() with model.state_dict()/"
+                    "load_state_dict() and FullyShardedDataParallel.optim_state_dict()/"
+                    "optim_state_dict_to_load() instead"
+                )
+            torch_internals.set_dcp_wrapper_lookups(
+                module, _stand_in(wrapper), _state_getter(state_getter)
             )
-        elif not isinstance(original, _StandInMeta):
-            setattr(module, _WRAPPER_NAME, _stand_in(original))
-            setattr(module, _STATE_GETTER_NAME, _state_getter(state_getter))
-        _installed = True
+            _originals = (wrapper, state_getter)
+        _entered += 1
+
+
+def _leave() -> None:
+    global _entered, _originals
+    with _lock:
+        _entered -= 1
+        if _entered == 0:
+            module = torch_internals.dcp_state_dict_module()
+            torch_internals.set_dcp_wrapper_lookups(module, *_originals)
+            _originals = (None, None)
 
 
 # -- the stand-ins ----------------------------------------------------------------------------

@@ -78,9 +78,10 @@ import torch
 import torch.nn as nn
 
 from ..core.member import GroupMember, resolve_dtypes, with_storage
+from ..core.torch_internals import CHECKPOINT_WRAPPED_MODULE, registered_parameters
 from .flat_layout import FlatLayout, RankShard, flat_layout
 
-_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper's submodule
+_CHECKPOINT_PREFIX = f"{CHECKPOINT_WRAPPED_MODULE}."
 # Set to "1" (as for torch's wrapper) before wrapping: original parameters are shown by
 # writing modules' dictionaries directly, bypassing ``__setattr__`` overrides and checks.
 UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
@@ -130,9 +131,9 @@ def _set_tensor(
         setattr(module, name, tensor)
     if register:
         module.__dict__.pop(name, None)
-        module._parameters[name] = tensor
+        registered_parameters(module)[name] = tensor
     elif unsafe:
-        module._parameters.pop(name, None)
+        registered_parameters(module).pop(name, None)
         module.__dict__[name] = tensor
 
 
@@ -336,7 +337,7 @@ class FlatParamHandle(GroupMember):
         """Take the original parameters off their modules (``show_sharded`` puts them back)."""
         for slots in self.slots:
             for slot in slots:
-                slot.module._parameters.pop(slot.name, None)
+                registered_parameters(slot.module).pop(slot.name, None)
                 slot.module.__dict__.pop(slot.name, None)
 
     def is_local_shard(self, data: torch.Tensor) -> bool:

@@ -50,6 +50,7 @@ import torch.nn as nn
 from ..api import ShardingStrategy
 from ..core import comms
 from ..core.states import ShardedState, TrainingState
+from ..core.torch_internals import registered_parameters
 from .flat_param import FlatParamHandle, _assign_grad, _set_tensor
 
 if TYPE_CHECKING:
@@ -295,8 +296,8 @@ class _FullParams:
         grad_views = handle.full_views(self.grad_flat) if self.grad_flat is not None else None
         if not handle.use_orig_params:
             wrapped = self.instance.module  # holds the flat parameter
-            self.saved_flat_entries = list(wrapped._parameters.items())
-            wrapped._parameters.pop("_flat_param", None)
+            self.saved_flat_entries = list(registered_parameters(wrapped).items())
+            registered_parameters(wrapped).pop("_flat_param", None)
         for i, (slots, trainable) in enumerate(zip(handle.slots, handle.trainable)):
             if handle.use_orig_params:
                 param = handle.orig_params[i]
@@ -335,8 +336,8 @@ class _FullParams:
                     _assign_grad(param, grad.view(param.shape))
         if self.saved_flat_entries is not None:
             wrapped = self.instance.module
-            wrapped._parameters.clear()
-            wrapped._parameters.update(self.saved_flat_entries)
+            registered_parameters(wrapped).clear()
+            registered_parameters(wrapped).update(self.saved_flat_entries)
 
 
 # -- apply ---------------------------------------------------------------------------------

@@ -47,17 +47,18 @@ from ..core.autograd_hooks import (
     register_pre_backward,
 )
 from ..core.collectives import CustomReduction
-from ..core.compile_support import (
-    call_through_wrappers,
-    install_eager_methods,
-    mark_fsdp_managed,
-    run_eagerly,
-    run_frame_eagerly,
-)
+from ..core.compile_support import install_eager_methods, mark_fsdp_managed, run_eagerly
 from ..core.param_group import GroupSettings, ParamGroup, end_backward
 from ..core.runtime import CommContext
 from ..core.states import TrainingState
+from ..core.torch_internals import (
+    CHECKPOINT_WRAPPED_MODULE,
+    has_optimizer_in_backward,
+    registered_children,
+    registered_parameters,
+)
 from . import full_params, legacy_optim_state, optim_state, optim_state_load, setup, state_dict
+from .compile_support import call_through_wrappers, run_frame_eagerly
 from .flat_param import FlatParameter, FlatParamHandle, ParamSlot
 
 WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -127,7 +128,8 @@ class FullyShardedDataParallel(nn.Module):
             module, ignored_modules, ignored_states, FullyShardedDataParallel
         )
         mark_fsdp_managed(
-            (m for m in module.modules() if m not in ignored_modules_set), use_orig_params
+            (m for m in module.modules() if m not in ignored_modules_set),
+            params_are_own=use_orig_params,
         )
         install_eager_methods(FullyShardedDataParallel)
         if auto_wrap_policy is not None:
@@ -253,7 +255,7 @@ class FullyShardedDataParallel(nn.Module):
     def module(self) -> nn.Module:
         """The wrapped module (under an activation-checkpoint wrapper, the module inside)."""
         wrapped = self._fsdp_wrapped_module
-        return getattr(wrapped, "_checkpoint_wrapped_module", wrapped)
+        return getattr(wrapped, CHECKPOINT_WRAPPED_MODULE, wrapped)
 
     @property
     def _flat_param(self) -> FlatParameter | None:
@@ -264,7 +266,7 @@ class FullyShardedDataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            wrapped = self._modules.get(WRAPPED_MODULE)
+            wrapped = registered_children(self).get(WRAPPED_MODULE)
             if wrapped is None:
                 raise
             return getattr(wrapped, name)
@@ -296,19 +298,20 @@ class FullyShardedDataParallel(nn.Module):
         ``_apply`` registers a new parameter for a move across tensor types (to meta, say),
         so ours is registered again afterwards."""
         module, handle = self.module, self._handle
+        params = registered_parameters(module)
         if self._use_orig_params:
             handle.hide_originals()
-            module._parameters[FLAT_PARAM] = module.__dict__.pop(FLAT_PARAM)
+            params[FLAT_PARAM] = module.__dict__.pop(FLAT_PARAM)
         try:
             result = super()._apply(fn, recurse)
-            moved = module._parameters[FLAT_PARAM].data
+            moved = params[FLAT_PARAM].data
         finally:
-            module._parameters.pop(FLAT_PARAM)
+            params.pop(FLAT_PARAM)
             if self._use_orig_params:
                 module.__dict__[FLAT_PARAM] = handle.flat_param
                 handle.show_sharded()
             else:
-                module._parameters[FLAT_PARAM] = handle.flat_param
+                params[FLAT_PARAM] = handle.flat_param
         return result, moved
 
     def check_is_root(self) -> bool:
@@ -498,7 +501,7 @@ class FullyShardedDataParallel(nn.Module):
 
     # -- forward ------------------------------------------------------------------------
 
-    @run_frame_eagerly  # see [Note: FSDP work runs outside compiled graphs]
+    @run_frame_eagerly  # see [Note: the wrapper's forward under compile]
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # FSDP's steps run eagerly; the wrapped module between them may be compiled.
         recompute, args, kwargs = self._pre_forward(args, kwargs)
@@ -788,8 +791,8 @@ def _refuse_stand_in_groups(instances: list[FullyShardedDataParallel]) -> None:
 
 
 def _refuse_optimizer_in_backward(instances: list[FullyShardedDataParallel]) -> None:
-    """Parameters handed to ``torch.distributed.optim._apply_optimizer_in_backward`` carry an
-    ``_in_backward_optimizers`` attribute. On flat parameters torch's wrapper refuses them;
+    """Parameters handed to ``torch.distributed.optim._apply_optimizer_in_backward`` are
+    marked (``has_optimizer_in_backward``). On flat parameters torch's wrapper refuses them;
     on original parameters it steps them in its post-backward, which ours does not: their
     gradients are set after the reduction, so those optimizers would never step."""
     for instance in instances:
@@ -797,13 +800,13 @@ def _refuse_optimizer_in_backward(instances: list[FullyShardedDataParallel]) -> 
         if handle is None:
             continue
         name = f"FullyShardedDataParallel({type(instance.module).__name__})"
-        if hasattr(handle.flat_param, "_in_backward_optimizers"):
+        if has_optimizer_in_backward(handle.flat_param):
             raise RuntimeError(
                 "FSDP optimizer in backward only supported with use_orig_params=True: the "
                 f"flat parameter of {name} was given to an optimizer that steps in backward; "
                 "wrap with use_orig_params=True, or step an ordinary optimizer after backward"
             )
-        if any(hasattr(p, "_in_backward_optimizers") for p in handle.orig_params):
+        if any(has_optimizer_in_backward(p) for p in handle.orig_params):
             raise NotImplementedError(
                 f"parameters of {name} were given to an optimizer that steps in backward, "
                 "which reffsdp's wrapper does not run (torch's does with "

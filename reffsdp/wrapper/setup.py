@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from ..core import comms
 from ..core.mesh import MeshInfo
+from ..core.torch_internals import registered_parameters
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
@@ -445,7 +446,7 @@ def managed_params(module, ignored_modules, ignored_params, wrapper_cls, wrapped
         prefix = prefixes[id(sub)]
         for child_name, child in sub.named_children():
             prefixes.setdefault(id(child), f"{prefix}{child_name}.")
-        for name, param in sub._parameters.items():
+        for name, param in registered_parameters(sub).items():
             if param is None or param in ignored_params or name == wrapped_name:
                 continue
             entry = entries.setdefault(id(param), (param, []))
@@ -458,7 +459,7 @@ def move_to_device(
 ) -> None:
     """Parameters and buffers of the instance's own modules onto the compute device."""
     for sub in modules:
-        for param in sub._parameters.values():
+        for param in registered_parameters(sub).values():
             if param is not None and param.device != device and not param.is_meta:
                 if param.device.type != "cpu" and param.device != device:
                     raise ValueError(

@@ -49,9 +49,10 @@ they are ``DTensor`` s with ``Shard(0)`` on the shard dimension of the wrapper's
 Both load through ``torch.distributed.checkpoint``. ``NO_SHARD`` instances always give
 full state dicts (with a warning), as torch's do.
 
-``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict`` drive these
-same hooks and the optimizer functions of ``optim_state.py`` through ``state_dict_type``:
-see [Note: DCP's state-dict functions and this wrapper] in ``dcp_support.py``.
+``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict``, called
+through ``reffsdp.checkpoint``, drive these same hooks and the optimizer functions of
+``optim_state.py`` through ``state_dict_type``: see [Note: DCP's state-dict functions and
+this wrapper] in ``dcp_support.py``.
 """
 
 from __future__ import annotations
@@ -64,13 +65,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._shard.sharded_tensor import (
-    Shard,
-    ShardedTensor,
-    ShardedTensorMetadata,
-    TensorProperties,
-)
-from torch.distributed._shard.sharding_spec import ShardMetadata
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
@@ -88,7 +82,14 @@ from ..api import (
     StateDictType,
 )
 from ..core import comms
-from . import dcp_support, full_params
+from ..core.torch_internals import (
+    CHECKPOINT_WRAPPED_MODULE,
+    is_sharded_tensor,
+    local_shard,
+    registered_children,
+    sharded_tensor,
+)
+from . import full_params
 from .full_params import WRAPPER_PREFIX as WRAPPED_PREFIX
 from .full_params import _name
 
@@ -106,7 +107,7 @@ _CONFIG_TYPES: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateD
 
 def clean_name(name: str) -> str:
     """``name`` without the wrapper's module prefixes (activation checkpointing's too)."""
-    return name.replace(WRAPPED_PREFIX, "").replace("_checkpoint_wrapped_module.", "")
+    return name.replace(WRAPPED_PREFIX, "").replace(f"{CHECKPOINT_WRAPPED_MODULE}.", "")
 
 
 # -- settings -------------------------------------------------------------------------------
@@ -125,7 +126,6 @@ def init_state_dict(instance: FullyShardedDataParallel, device_mesh: Any) -> Non
     instance.register_state_dict_post_hook(_post_state_dict_hook)
     instance.register_load_state_dict_pre_hook(_pre_load_state_dict_hook)
     instance.register_load_state_dict_post_hook(_post_load_state_dict_hook)
-    dcp_support.install()
 
 
 def _forget_inherited_mesh(root: FullyShardedDataParallel) -> None:
@@ -165,7 +165,7 @@ def set_state_dict_type(
         warnings.warn(
             "FSDP.state_dict_type() and FSDP.set_state_dict_type() are deprecated in torch in "
             "favour of torch.distributed.checkpoint.state_dict.get_state_dict() and "
-            "set_state_dict()",
+            "set_state_dict(); for reffsdp's wrapper, take those from reffsdp.checkpoint",
             FutureWarning,
             stacklevel=3,
         )
@@ -292,7 +292,7 @@ def param_names(instance: FullyShardedDataParallel) -> list[str]:
     def visit(module: nn.Module, path: str) -> None:
         for name in shown.get(id(module), ()):
             names[clean_name(path + name)] = None
-        for child_name, child in module._modules.items():
+        for child_name, child in registered_children(module).items():
             if child is not None and not isinstance(child, FullyShardedDataParallel):
                 visit(child, f"{path}{child_name}.")
 
@@ -405,7 +405,7 @@ def _copy(tensor: torch.Tensor, to_cpu: bool) -> torch.Tensor:
     return tensor.detach().clone()
 
 
-def _local_flat_param(instance: FullyShardedDataParallel, to_cpu: bool) -> ShardedTensor:
+def _local_flat_param(instance: FullyShardedDataParallel, to_cpu: bool) -> torch.Tensor:
     """This rank's shard of the flat parameter, tail padding dropped, as a 1-D ShardedTensor."""
     handle = instance._handle
     assert handle is not None
@@ -414,7 +414,7 @@ def _local_flat_param(instance: FullyShardedDataParallel, to_cpu: bool) -> Shard
     local = []
     if rank < len(chunks):
         data = handle.local_shard.detach().narrow(0, 0, chunks[rank][1])
-        local = [Shard.from_tensor_and_offsets(data, [chunks[rank][0]], rank)]
+        local = [local_shard(data, [chunks[rank][0]], rank)]
     tensor = _sharded_tensor(
         local, [([o], [n]) for o, n in chunks], torch.Size([layout.total_numel]),
         handle.orig_dtype, instance,
@@ -457,7 +457,7 @@ def chunk_sharded(
     local = []
     if rank < len(chunks):
         offsets = [rank * rows] + [0] * (full.dim() - 1)
-        local = [Shard.from_tensor_and_offsets(chunks[rank].clone(), offsets, rank)]
+        local = [local_shard(chunks[rank].clone(), offsets, rank)]
     layout = [
         ([r * rows] + [0] * (full.dim() - 1), list(chunk.shape)) for r, chunk in enumerate(chunks)
     ]
@@ -465,25 +465,21 @@ def chunk_sharded(
 
 
 def _sharded_tensor(
-    local: list[Shard],
+    local: list[Any],
     layout: list[tuple[list[int], list[int]]],
     size: torch.Size,
     dtype: torch.dtype,
     instance: FullyShardedDataParallel,
-) -> ShardedTensor:
+) -> torch.Tensor:
     """A ShardedTensor from this rank's shards and every shard's (offsets, sizes), built
     without communication (every rank computes the same layout)."""
     group = instance.process_group
     device = instance.compute_device.type
-    shards = [
-        ShardMetadata(offsets, sizes, f"rank:{dist.get_global_rank(group, r)}/{_device(device, r)}")
+    placed = [
+        (offsets, sizes, f"rank:{dist.get_global_rank(group, r)}/{_device(device, r)}")
         for r, (offsets, sizes) in enumerate(layout)
     ]
-    properties = TensorProperties(dtype=dtype, requires_grad=False)
-    metadata = ShardedTensorMetadata(shards, size, properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local, sharded_tensor_metadata=metadata, process_group=group
-    )
+    return sharded_tensor(local, placed, size, dtype, group)
 
 
 def _device(device_type: str, rank: int) -> str:
@@ -496,7 +492,7 @@ def full_tensor(value: torch.Tensor, instance: FullyShardedDataParallel) -> torc
     """A DTensor or dim-0-chunked ShardedTensor gathered whole; plain tensors as they are."""
     if isinstance(value, DTensor):
         return value.full_tensor()
-    if not isinstance(value, ShardedTensor):
+    if not is_sharded_tensor(value):
         return value
     size = value.size()
     group, world_size = instance.process_group, instance.world_size
@@ -533,10 +529,10 @@ def _pre_load_state_dict_hook(
                 continue  # nn.Module reports it missing
             value = state_dict[key]
             if kind is StateDictType.SHARDED_STATE_DICT:
-                if not isinstance(value, (ShardedTensor, DTensor)):
+                if not (is_sharded_tensor(value) or isinstance(value, DTensor)):
                     _wrong_type(instance, key, value, kind)
                 state_dict[key] = full_tensor(value, instance)
-            elif isinstance(value, (ShardedTensor, DTensor)):
+            elif is_sharded_tensor(value) or isinstance(value, DTensor):
                 _wrong_type(instance, key, value, kind)
     unshard_as_params(instance, write_back=True)
     _replace_prefix(state_dict, prefix, prefix + WRAPPED_PREFIX)
@@ -593,7 +589,7 @@ def _wrong_type(
 
 
 def _describe(value: Any) -> str:
-    if isinstance(value, ShardedTensor):
+    if is_sharded_tensor(value):
         shards = len(value.metadata().shards_metadata)
         return f"a ShardedTensor in {shards} shard{'s' if shards > 1 else ''}"
     if isinstance(value, DTensor):
@@ -626,7 +622,7 @@ def _load_local_flat_param(
     if key not in state_dict:
         return  # nn.Module reports the flat parameter missing
     value = state_dict.pop(key)
-    if not isinstance(value, ShardedTensor):
+    if not is_sharded_tensor(value):
         _wrong_type(instance, key, value, StateDictType.LOCAL_STATE_DICT)
     layout = handle.layout
     expected = _flat_chunks(layout.total_numel, layout.shard_numel, instance.world_size)

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from reffsdp import FullyShardedDataParallel as FSDP
 from reffsdp.api import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+from reffsdp.checkpoint import get_state_dict, set_state_dict
 from reffsdp.testing.multiprocess import FSDPTest
 from reffsdp.testing.parity import local_data_parallel_step, train_step
 from tests.multithread.test_fully_shard_checkpoint import shared_temp_dir
@@ -70,14 +70,14 @@ class TestWrapperCheckpointGloo(FSDPTest):
 
     def test_get_state_dict_on_4_ranks_set_state_dict_on_2(self):
         """The same, through DCP's get_state_dict/set_state_dict as torch's wrapper's users
-        call them."""
+        call them (taken from reffsdp.checkpoint)."""
         pair = dist.new_group([0, 1])
         for use_orig_params in (False, True):
             self._check_dcp_4_to_2(use_orig_params, None, pair)
 
     def _check_dcp_4_to_2(self, use_orig_params: bool, configs: tuple | None, pair) -> None:
         """``configs``: the state-dict configs of FSDP's own functions; ``None``: DCP's
-        get_state_dict/set_state_dict."""
+        get_state_dict/set_state_dict (reffsdp.checkpoint's)."""
         torch.manual_seed(0)
         initial = _blocks()  # the same in every rank process
         ref = copy.deepcopy(initial)

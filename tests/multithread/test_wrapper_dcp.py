@@ -1,10 +1,11 @@
 """``torch.distributed.checkpoint.state_dict`` with ``FullyShardedDataParallel``.
 
-A user who swapped torch's wrapper for reffsdp's calls DCP's ``get_state_dict`` /
-``set_state_dict`` (or their model and optimizer halves) as before: model and optimizer, full
-or sharded, on CPU or not, with ``use_orig_params`` either way, through ``dcp.save`` /
-``dcp.load``. Every round trip must continue training bit for bit; values and types are
-checked against an unsharded reference and torch's wrapper on the same group.
+A user who swapped torch's wrapper for reffsdp's takes DCP's ``get_state_dict`` /
+``set_state_dict`` (and their model and optimizer halves) from ``reffsdp.checkpoint``, same
+arguments: model and optimizer, full or sharded, on CPU or not, with ``use_orig_params``
+either way, through ``dcp.save`` / ``dcp.load``. Every round trip must continue training bit
+for bit; values and types are checked against an unsharded reference and torch's wrapper on
+the same group. Outside those calls torch's module is as torch made it.
 """
 
 from __future__ import annotations
@@ -19,25 +20,25 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dcp_state_dict
 import torch.nn as nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.tensor import DTensor
 
 from reffsdp import FullyShardedDataParallel as FSDP
 from reffsdp.api import ShardingStrategy, StateDictType
+from reffsdp.checkpoint import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    recognize_wrappers,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from reffsdp.core import comms
 from reffsdp.testing.multithread import FSDPTestMultiThread
 from reffsdp.testing.parity import train_step
-from reffsdp.wrapper import dcp_support
 from tests.multithread.test_fully_shard_checkpoint import shared_temp_dir
 from tests.multithread.test_wrapper_state_dict import (
     DIM,
@@ -58,6 +59,8 @@ from tests.multithread.test_wrapper_state_dict_models import (
 )
 
 pytestmark = [pytest.mark.multithread, pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+TORCHS_STATE_GETTER = dcp_state_dict._get_module_fsdp_state_if_fully_sharded_module
 
 FULL = StateDictOptions(full_state_dict=True)
 SHARDED = StateDictOptions()
@@ -275,19 +278,26 @@ class TestWrapperDCP(NextToTorchsWrapper):
         self.assertIn(gather, calls)  # use_orig_params=True agrees on each state's names
         self.assertIn(broadcast, calls)  # rank 0's optimizer state dict
 
-    def test_install_is_idempotent_and_keeps_torch_behaviour(self):
-        FSDP(nn.Linear(2, 2))  # the first wrapper installs the stand-ins
-        stand_in = dcp_state_dict.FSDP
-        dcp_support.install()
-        self.assertIs(dcp_state_dict.FSDP, stand_in)
-        self.assertIs(stand_in.original, TorchFSDP)
-        self.assertIsInstance(FSDP(nn.Linear(2, 2)), stand_in)
-        self.assertTrue(issubclass(TorchFSDP, stand_in))
-        self.assertNotIsInstance(nn.Linear(2, 2), stand_in)
-        # everything else is torch's
-        self.assertIs(stand_in.full_optim_state_dict, TorchFSDP.full_optim_state_dict)
-        get_state = dcp_state_dict._get_module_fsdp_state_if_fully_sharded_module
-        self.assertIsNone(get_state(nn.Linear(2, 2)))
+    def test_torchs_module_is_torchs_outside_the_calls(self):
+        """Building wrappers changes nothing in DCP's module; the stand-ins are there while
+        some rank is inside a call and gone once every rank's call has ended."""
+        _, _, model, optim = trained(True, self.world_size)
+        self.assertIs(dcp_state_dict.FSDP, TorchFSDP)
+        self.assertIs(
+            dcp_state_dict._get_module_fsdp_state_if_fully_sharded_module, TORCHS_STATE_GETTER
+        )
+        dist.barrier()  # no rank enters a call before every rank looked
+        model_state, optim_state = get_state_dict(model, optim)
+        set_state_dict(model, optim, model_state_dict=model_state, optim_state_dict=optim_state)
+        with recognize_wrappers():
+            self.assertIsNot(dcp_state_dict.FSDP, TorchFSDP)
+            self.assertIsInstance(model, dcp_state_dict.FSDP)
+            self.assertEqual(list(dcp_state_dict.get_model_state_dict(model)), list(model_state))
+        dist.barrier()  # every rank has left
+        self.assertIs(dcp_state_dict.FSDP, TorchFSDP)
+        self.assertIs(
+            dcp_state_dict._get_module_fsdp_state_if_fully_sharded_module, TORCHS_STATE_GETTER
+        )
 
 
 class TestWrapperDCPHybrid(FSDPTestMultiThread):
