@@ -27,7 +27,9 @@ host thread itself. Order between them is kept with vector clocks:
 
 Work stamped ``(s, t)`` *happens before* the next op on stream ``b`` when ``b``'s clock holds
 at least ``t`` for ``s``. Observers of a rank's streams (``RankStreams.observers``) are told
-of every op queued and every wait.
+of every op queued and every wait; one is the rank's checker
+(:mod:`reffsdp.testing.stream_checker`), which queues every op the rank runs and checks
+every read, write and free against that order.
 
 [Note: collectives on logical streams]
 A collective backend runs each collective on a stream of its own per process group, after
@@ -51,6 +53,8 @@ import torch
 import torch.distributed as dist
 
 from reffsdp.core import profiling, streams
+
+from .stream_checker import Findings, StreamChecker
 
 Clock = dict[int, int]  # stream id -> last tick of that stream ordered before
 
@@ -138,6 +142,7 @@ class RankStreams:
         self.phases: list[str] = []  # the core's phases now open, innermost last
         # What watches the streams (the checker, the trace): see StreamObserver.
         self.observers: list[StreamObserver] = []
+        self.checker: StreamChecker | None = None  # set when the thread enters
 
     def new_stream(self, name: str, priority: int = 0) -> SimStream:
         stream = SimStream(self, self.sim.next_stream_id(), name, priority)
@@ -244,6 +249,7 @@ class SimulatedStreams(streams.StreamBackend):
     def __init__(self) -> None:
         super().__init__(runs_inline=False)
         self.ranks: list[RankStreams] = []
+        self.findings = Findings()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -258,10 +264,15 @@ class SimulatedStreams(streams.StreamBackend):
         rank = RankStreams(self, label)
         with self._lock:
             self.ranks.append(rank)
+        checker = rank.checker = StreamChecker(rank, self.findings)
+        rank.observers.append(checker)
         _local.rank = rank
         try:
-            yield rank
+            with checker:
+                yield rank
         finally:
+            checker.drain_frees()
+            checker.close()
             _local.rank = None
 
     # -- the backend's operations (see [Note: stream backends]) ----------------------------
@@ -294,7 +305,8 @@ class SimulatedStreams(streams.StreamBackend):
         comm.wait_stream(issuing)
         with rank.using(comm):
             rank.launch(comm, name.replace("_", "-"), reads, writes)
-            work = call()
+            with rank.checker.paused():  # the backend's own copies are the collective
+                work = call()
         done = comm.record_event()
         if not async_op or work is None:
             issuing.wait_event(done)
@@ -304,12 +316,14 @@ class SimulatedStreams(streams.StreamBackend):
 
 @contextlib.contextmanager
 def simulated_streams() -> Iterator[SimulatedStreams]:
-    """Run CPU work on logical streams inside the block (the calling thread included); the
-    object returned has one ``ranks`` entry per thread."""
+    """Run CPU work on logical streams inside the block (the calling thread included) and
+    check it; the object returned is the report: ``findings`` (see ``stream_checker``), one
+    ``ranks`` entry per thread."""
     sim = SimulatedStreams()
     with contextlib.ExitStack() as stack:
         stack.enter_context(streams.cpu_backend(sim))
         stack.enter_context(profiling.observe_phases(_phase))
+        stack.enter_context(_storage_resizes_seen())
         stack.enter_context(sim.on_this_thread("main"))
         yield sim
 
@@ -326,6 +340,27 @@ def _phase(name: str) -> Iterator[None]:
         yield
     finally:
         rank.phases.pop()
+
+
+@contextlib.contextmanager
+def _storage_resizes_seen() -> Iterator[None]:
+    """``UntypedStorage.resize_`` frees and allocates but is no dispatched op: while the
+    simulation runs it tells the calling rank's checker (a process-wide patch, undone after)."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        old = storage.nbytes()
+        result = original(storage, size)
+        rank = getattr(_local, "rank", None)
+        if rank is not None and old != size:
+            rank.checker.resized(storage, old, size)
+        return result
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
 
 
 def rank_context(rank: int) -> contextlib.AbstractContextManager[Any]:

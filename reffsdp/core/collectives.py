@@ -278,7 +278,7 @@ class PendingReduce:
             output.div_(spec.plan.post_factor)
         if _hand_out_grads(self.members, output):
             # Non-blocking device-to-host gradient copies: the final callback waits for this
-            # event before anyone (the optimizer, on the CPU) reads the gradients.
+            # event before anyone (the optimizer, on the CPU) reads the gradients (rule 6).
             self.host_copy_event = record_on_current_stream(output.device)
 
     def wait(self) -> None:
@@ -332,13 +332,19 @@ def foreach_reduce(
     output = rs_input.new_empty(shard_numel)
     group = spec.group if spec.group is not None else spec.mesh_info.shard_group
     work = comm(output, rs_input, group, plan.reduce_scatter_op, async_op=True)
-    # With streams (CUDA) the caching allocator could hand the input's memory to the next
-    # allocation on the compute stream while the backend's stream still reads it: we hold it
-    # until the collective completes. On CPU a backend holds its own reference for as long
-    # as it reads a tensor (gloo even copies the input at issue), so ours would only raise
-    # the peak.
-    keep = None if backend_for(rs_input.device).runs_inline else rs_input
-    return PendingReduce(members, spec, input=keep, output=output, work=work)
+    return PendingReduce(members, spec, input=_held_input(rs_input), output=output, work=work)
+
+
+def _held_input(rs_input: torch.Tensor) -> torch.Tensor | None:
+    """What a pending reduce-scatter holds of its input until it completes.
+
+    With streams (CUDA) the caching allocator could hand the input's memory to the next
+    allocation on the compute stream while the backend's stream still reads it: we hold it
+    (rule 5 of [Note: why all-gathers get their own stream] in ``streams``). On CPU a backend
+    holds its own reference for as long as it reads a tensor (gloo even copies the input at
+    issue), so ours would only raise the peak.
+    """
+    return None if backend_for(rs_input.device).runs_inline else rs_input
 
 
 def _laid_out_already(

@@ -19,7 +19,21 @@ block i computes. Three rules keep that safe:
 
 Reduce-scatters are issued from the compute stream: the gradients they read were just
 produced there, and backends run collectives on their own internal streams, so backward
-compute still overlaps them.
+compute still overlaps them. Three more rules keep reductions and offloading safe:
+
+4. Work on another stream reads only what that stream is ordered after: a reduction is
+   issued from the stream that produced its input (the compute stream), its result is read
+   after its work is waited for, and ``run_on_stream`` makes its stream wait for the
+   current one first (and the current one wait for it after).
+5. A reduce-scatter's input is allocated on the compute stream and read by the backend's
+   stream: it is held until the collective has completed, or the caching allocator could
+   hand its memory to the next allocation on the compute stream while it is still read.
+6. Gradients copied to the host without blocking are read by the host (the optimizer of
+   offloaded parameters) only after the event recorded behind the copies has completed:
+   the end of backward synchronizes it.
+
+``reffsdp.testing.simulated_streams()`` checks all six on CPU (see [Note: stream backends]):
+it reports each unordered read, write and reuse of memory with the rule that prevents it.
 
 On CPU all of this collapses: there is no side stream, events are ``None`` and every wait
 is a no-op; the code path is the same.
@@ -232,7 +246,7 @@ def run_on_stream(stream: Any, fn: Callable[[torch.Tensor], None], tensor: torch
         fn(tensor)
         return
     current = backend.current_stream(tensor.device)
-    stream.wait_stream(current)
+    stream.wait_stream(current)  # rule 4
     with backend.use_stream(stream):
         fn(tensor)
-    current.wait_stream(stream)
+    current.wait_stream(stream)  # rule 4
