@@ -313,6 +313,29 @@ class SimulatedStreams(streams.StreamBackend):
             return work
         return SimWork(work, done)
 
+    def to_host(self, tensor, *, non_blocking=False, pin=False):
+        """A copy in host memory (see [Note: host memory] in ``stream_checker``), written on
+        the current stream; unless ``non_blocking``, the host waits for it."""
+        rank = current_rank()
+        with rank.checker.paused():
+            host = torch.empty_like(tensor)
+        rank.checker.mark_host(host)
+        host.copy_(tensor, non_blocking=non_blocking)
+        if not non_blocking:
+            rank.host_waits(dict(rank.current.clock), rank.current)
+        return host
+
+    def to_device(self, tensor, device, *, non_blocking=False):
+        """A copy in device memory, allocated and written on the current stream."""
+        rank = current_rank()
+        with rank.checker.paused():
+            copy = torch.empty_like(tensor)
+        rank.checker.allocated(copy, rank.current, host=False, op="aten.empty_like")
+        return copy.copy_(tensor, non_blocking=non_blocking)
+
+    def pinned(self, tensor):
+        return tensor  # host memory is as good as pinned here
+
 
 @contextlib.contextmanager
 def simulated_streams() -> Iterator[SimulatedStreams]:

@@ -70,8 +70,8 @@ RULES = {
     "reduction is issued from the stream that produced its input, its result read after its "
     "work is waited for; run_on_stream's stream waits for the current one, and back)",
     5: "rule 5: a reduce-scatter's input is kept until the collective has completed",
-    6: "rule 6: the host reads offloaded gradients only after the event behind their copies "
-    "has completed",
+    6: "rule 6: the host touches offloaded memory only after the device is done with it (the "
+    "end of backward synchronizes the event behind the gradients' copies to the host)",
 }
 _REDUCTIONS = ("reduce-scatter", "all-reduce")
 # Ops whose result the host reads (a Python number or bool): the host waits for the data.

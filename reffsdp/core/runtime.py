@@ -70,7 +70,7 @@ class CommContext:
 
     def _wait_for_host_copies(self) -> None:
         """Rule 6 of [Note: why all-gathers get their own stream] in ``streams``: the host
-        waits for the gradients' non-blocking copies before the optimizer reads them."""
+        waits for the gradients' non-blocking copies before the optimizer touches them."""
         for event in self._host_copy_events:
             event.synchronize()
         self._host_copy_events.clear()

@@ -28,9 +28,10 @@ compute still overlaps them. Three more rules keep reductions and offloading saf
 5. A reduce-scatter's input is allocated on the compute stream and read by the backend's
    stream: it is held until the collective has completed, or the caching allocator could
    hand its memory to the next allocation on the compute stream while it is still read.
-6. Gradients copied to the host without blocking are read by the host (the optimizer of
-   offloaded parameters) only after the event recorded behind the copies has completed:
-   the end of backward synchronizes it.
+6. The host touches offloaded memory (the optimizer reads the gradients and writes the
+   shards) only after the device is done with it: the end of backward synchronizes the
+   event recorded behind the gradients' non-blocking copies to the host, which comes after
+   the copies of the shards to the device too (they were copied out, rule 2).
 
 ``reffsdp.testing.simulated_streams()`` checks all six on CPU (see [Note: stream backends]):
 it reports each unordered read, write and reuse of memory with the rule that prevents it.
@@ -128,6 +129,10 @@ class StreamBackend:
     ) -> torch.Tensor:
         """A copy of host ``tensor`` on ``device``, queued on the current stream."""
         return tensor.to(device, non_blocking=non_blocking)
+
+    def pinned(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Host ``tensor`` in pinned memory: itself if it is there already, else a copy."""
+        return tensor if tensor.is_pinned() else tensor.pin_memory()
 
 
 class CudaBackend(StreamBackend):

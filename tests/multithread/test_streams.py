@@ -21,6 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from reffsdp import (
     BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
     FullyShardedDataParallel,
     MixedPrecisionPolicy,
     ShardingStrategy,
@@ -28,6 +30,7 @@ from reffsdp import (
     fully_shard,
 )
 from reffsdp.core import collectives, comms, streams
+from reffsdp.core.runtime import CommContext
 from reffsdp.testing import logical_streams
 from reffsdp.testing.logical_streams import StreamObserver, current_rank
 from reffsdp.testing.models import MLP, MLPBlocks, init_deterministic
@@ -108,6 +111,10 @@ CONFIGS: dict[str, Config] = {
         lambda m: _fully_shard(m, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
     ),
     "fully_shard/hook-stream": Config(lambda m: _hook_on_own_stream(_fully_shard(m))),
+    "fully_shard/offload": Config(lambda m: _fully_shard(m, offload_policy=CPUOffloadPolicy())),
+    "fully_shard/offload-no-sync": Config(
+        lambda m: _fully_shard(m, offload_policy=CPUOffloadPolicy()), microbatches=2
+    ),
     "fully_shard/load-state-dict": Config(_fully_shard, reload=True),
     "fully_shard/hsdp": Config(lambda m: _fully_shard(m, (2, 2)), world_size=4),
     "fully_shard/hsdp-prefetch-no-sync": Config(
@@ -125,6 +132,7 @@ CONFIGS: dict[str, Config] = {
         lambda m: _wrapper(m, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
     ),
     "wrapper/no-sync": Config(_wrapper, microbatches=2),
+    "wrapper/offload": Config(lambda m: _wrapper(m, cpu_offload=CPUOffload(offload_params=True))),
     "wrapper/load-state-dict": Config(_wrapper, reload=True),
     "wrapper/hybrid": Config(
         lambda m: _wrapper(m, (2, 2), backward_prefetch=BackwardPrefetch.BACKWARD_PRE),
@@ -273,6 +281,11 @@ PLANTS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], Config, int]] = {
         lambda mp: mp.setattr(collectives, "run_on_stream", _run_on_stream_without_waiting),
         CONFIGS["fully_shard/hook-stream"],
         4,
+    ),
+    "rule 6 (the host reads offloaded gradients before their copies land)": (
+        lambda mp: _undo(mp, CommContext, "_wait_for_host_copies"),
+        CONFIGS["fully_shard/offload"],
+        6,
     ),
     "rule 5 (the reduce-scatter input dropped at issue)": (
         lambda mp: _undo(mp, collectives, "_held_input"),
