@@ -55,6 +55,7 @@ import torch.distributed as dist
 from reffsdp.core import profiling, streams
 
 from .stream_checker import Findings, StreamChecker
+from .stream_trace import CostModel, OpCost, StreamLog, write_chrome_trace
 
 Clock = dict[int, int]  # stream id -> last tick of that stream ordered before
 
@@ -143,6 +144,8 @@ class RankStreams:
         # What watches the streams (the checker, the trace): see StreamObserver.
         self.observers: list[StreamObserver] = []
         self.checker: StreamChecker | None = None  # set when the thread enters
+        self.log = StreamLog(self)  # for the trace
+        self.observers.append(self.log)
 
     def new_stream(self, name: str, priority: int = 0) -> SimStream:
         stream = SimStream(self, self.sim.next_stream_id(), name, priority)
@@ -165,6 +168,7 @@ class RankStreams:
         op: str,
         reads: Sequence[torch.Tensor] = (),
         writes: Sequence[torch.Tensor] = (),
+        cost: OpCost = OpCost(),  # noqa: B008 (frozen)
     ) -> int:
         """Queue one op on ``stream`` (the host launches it), reading ``reads`` and writing
         ``writes``: its tick."""
@@ -172,14 +176,14 @@ class RankStreams:
             join(stream.clock, self.host.clock)
         tick = stream.clock[stream.id] = stream.clock[stream.id] + 1
         for observer in self.observers:
-            observer.on_launch(stream, tick, op, reads, writes)
+            observer.on_launch(stream, tick, op, reads, writes, cost)
         return tick
 
     def stream_waits(self, stream: SimStream, clock: Clock, source: SimStream | None) -> None:
         join(stream.clock, self.host.clock)
         join(stream.clock, clock)
         for observer in self.observers:
-            observer.on_wait(stream, source)
+            observer.on_wait(stream, clock, source)
 
     def records(self, stream: SimStream, event: SimEvent) -> None:
         join(stream.clock, self.host.clock)
@@ -188,7 +192,7 @@ class RankStreams:
     def host_waits(self, clock: Clock, source: SimStream | None) -> None:
         join(self.host.clock, clock)
         for observer in self.observers:
-            observer.on_wait(self.host, source)
+            observer.on_wait(self.host, clock, source)
 
     @contextlib.contextmanager
     def using(self, stream: SimStream) -> Iterator[None]:
@@ -204,11 +208,12 @@ class RankStreams:
 class StreamObserver:
     """What the checker and the trace are told; each method a no-op here."""
 
-    def on_launch(self, stream: SimStream, tick: int, op: str, reads, writes) -> None:
+    def on_launch(self, stream: SimStream, tick: int, op: str, reads, writes, cost: OpCost):
         """An op was queued on ``stream`` with ``tick``."""
 
-    def on_wait(self, stream: SimStream, source: SimStream | None) -> None:
-        """``stream`` (or the host) now waits for work of ``source``."""
+    def on_wait(self, stream: SimStream, clock: Clock, source: SimStream | None) -> None:
+        """``stream`` (or the host) now waits for the work ``clock`` covers, of ``source``
+        (the stream waited for, or that recorded the event)."""
 
 
 class SimWork:
@@ -255,6 +260,10 @@ class SimulatedStreams(streams.StreamBackend):
 
     def next_stream_id(self) -> int:
         return next(self._ids)
+
+    def write_trace(self, path: str, model: CostModel | None = None) -> dict[str, Any]:
+        """A Chrome trace of every rank's streams (see ``stream_trace``)."""
+        return write_chrome_trace(self, path, model or CostModel())
 
     @contextlib.contextmanager
     def on_this_thread(self, label: str) -> Iterator[RankStreams]:
@@ -303,8 +312,9 @@ class SimulatedStreams(streams.StreamBackend):
         rank = current_rank()
         issuing, comm = rank.current, rank.comm_stream(group)
         comm.wait_stream(issuing)
+        moved = max(sum(t.numel() * t.element_size() for t in ts) for ts in (reads, writes))
         with rank.using(comm):
-            rank.launch(comm, name.replace("_", "-"), reads, writes)
+            rank.launch(comm, name.replace("_", "-"), reads, writes, OpCost(nbytes=moved))
             with rank.checker.paused():  # the backend's own copies are the collective
                 work = call()
         done = comm.record_event()
@@ -384,6 +394,14 @@ def _storage_resizes_seen() -> Iterator[None]:
         yield
     finally:
         torch.UntypedStorage.resize_ = original
+
+
+def start_trace() -> None:
+    """The calling rank's trace starts here (what ran before still sets the streams up); a
+    no-op outside a simulation, so the same code runs with and without one."""
+    rank = getattr(_local, "rank", None)
+    if rank is not None:
+        rank.log.start_here()
 
 
 def rank_context(rank: int) -> contextlib.AbstractContextManager[Any]:

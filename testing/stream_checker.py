@@ -56,6 +56,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils.flop_counter import flop_registry
+
+from .stream_trace import OpCost
 
 if TYPE_CHECKING:
     from .logical_streams import RankStreams, SimStream
@@ -232,7 +235,8 @@ class StreamChecker(TorchDispatchMode):
         touched = [t for t in [*reads, *writes] if self._use(t) is not None]
         host = bool(touched) and all(_key(t) in self.host_memory for t in touched)
         stream = self.rank.host if host else self.rank.current
-        self.rank.launch(stream, f"aten.{name}", reads, writes)
+        cost = OpCost(_flops(func, args, kwargs, out), _nbytes([*touched, *news]))
+        self.rank.launch(stream, f"aten.{name}", reads, writes, cost)
         for tensor in news:
             self.allocated(tensor, stream, host=host, op=f"aten.{name}")
         if name in _HOST_READS:
@@ -251,7 +255,7 @@ class StreamChecker(TorchDispatchMode):
                 write = use.write
                 self.rank.host_waits({write.stream.id: write.tick}, write.stream)
 
-    def on_launch(self, stream: SimStream, tick: int, op: str, reads, writes) -> None:
+    def on_launch(self, stream: SimStream, tick: int, op: str, reads, writes, cost) -> None:
         """Check what an op queued on ``stream`` reads and writes (see [Note: hazards])."""
         if self.rank.phases and self.rank.phases[-1] != op:
             op = f"{op} ({self.rank.phases[-1]})"
@@ -260,7 +264,7 @@ class StreamChecker(TorchDispatchMode):
         for tensor in writes:
             self._write(self._use(tensor), Access(stream, tick, op))
 
-    def on_wait(self, stream: SimStream, source: SimStream | None) -> None:
+    def on_wait(self, stream: SimStream, clock, source: SimStream | None) -> None:
         pass
 
     def _read(self, use: StorageUse | None, access: Access) -> None:
@@ -420,6 +424,22 @@ def _plain(value: Any) -> Iterator[torch.Tensor]:
                 yield from _plain(getattr(value, attr))
         elif value.layout == torch.strided and value.device.type == "cpu":
             yield value
+
+
+def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """The op's floating-point operations, where torch's flop counter knows them (matrix
+    products, convolutions, attention); 0 otherwise."""
+    formula = flop_registry.get(func._overloadpacket)
+    if formula is None:
+        return 0
+    try:
+        return int(formula(*args, out_val=out, **kwargs))
+    except Exception:  # a formula that does not take these arguments: count nothing
+        return 0
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _key(tensor: torch.Tensor) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -29,10 +30,12 @@ from reffsdp import (
     StateDictType,
     fully_shard,
 )
+from reffsdp.bench.cli import parser, resolve, run_config
+from reffsdp.bench.stream_traces import write_stream_traces
 from reffsdp.core import collectives, comms, streams
 from reffsdp.core.runtime import CommContext
 from reffsdp.testing import logical_streams
-from reffsdp.testing.logical_streams import StreamObserver, current_rank
+from reffsdp.testing.logical_streams import StreamObserver, current_rank, start_trace
 from reffsdp.testing.models import MLP, MLPBlocks, init_deterministic
 from reffsdp.testing.multithread import run_threaded
 from reffsdp.testing.stream_checker import RULES
@@ -145,7 +148,7 @@ CONFIGS: dict[str, Config] = {
 
 
 def train(config: Config) -> list[float]:
-    """``STEPS`` steps of AdamW on this rank; the losses."""
+    """``STEPS`` steps of AdamW on this rank; the losses. The trace shows the last step."""
     model = config.build(init_deterministic(MLPBlocks(DIM, (2, 3))))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(torch.distributed.get_rank())
@@ -154,6 +157,8 @@ def train(config: Config) -> list[float]:
         if config.reload and step == 1:
             model = _reloaded(model, config.build(init_deterministic(MLPBlocks(DIM, (2, 3)))))
             optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if step == STEPS - 1:
+            start_trace()
         for micro in range(config.microbatches):
             with _gradient_sync(model, micro == config.microbatches - 1):
                 if config.async_unshard:
@@ -304,6 +309,69 @@ def test_an_undone_rule_is_reported(plant, monkeypatch, simulated_streams, threa
     assert RULES[rule] in rules, simulated_streams.findings.describe()
 
 
+# -- the trace ----------------------------------------------------------------------------
+
+
+def test_the_trace_shows_collectives_overlapping_compute(tmp_path, simulated_streams, thread_world):
+    """HSDP on 2 x 2 ranks: a row per stream, the core's phases and the collectives as
+    slices, waits as arrows; all-gathers overlap forward compute, reduce-scatters backward."""
+    config = CONFIGS["fully_shard/hsdp-prefetch-no-sync"]
+    thread_world(lambda rank: train(config), world_size=config.world_size)
+    path = tmp_path / "streams.json"
+    trace = simulated_streams.write_trace(str(path))
+    assert json.loads(path.read_text()) == trace
+    events = trace["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    ranks = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert ranks == {"rank 0", "rank 1", "rank 2", "rank 3"}  # the main thread ran nothing
+    slices = [e for e in events if e["ph"] == "X"]
+    kinds = {(names[e["pid"], e["tid"]].split(" ")[0], e["name"]) for e in slices}
+    assert {
+        ("all-gather", "copy-in"),
+        ("comm", "all-gather"),
+        ("compute", "copy-out"),
+        ("compute", "compute"),
+        ("compute", "backward"),
+        ("compute", "reduce-scatter"),
+        ("comm", "reduce-scatter"),
+        ("comm", "all-reduce"),
+    } <= kinds
+    starts = [e for e in events if e["ph"] == "s"]
+    assert starts and {e["id"] for e in starts} == {e["id"] for e in events if e["ph"] == "f"}
+    for pid in range(4):
+        rows = {e["tid"]: names[pid, e["tid"]].split(" ")[0] for e in slices if e["pid"] == pid}
+        on = {
+            key: [e for e in slices if e["pid"] == pid and (rows[e["tid"]], e["name"]) == key]
+            for key in kinds
+        }
+        assert _overlap(on["comm", "all-gather"], on["compute", "compute"]) > 0
+        assert _overlap(on["comm", "reduce-scatter"], on["compute", "backward"]) > 0
+
+
+def test_the_benchmark_writes_a_trace_per_reffsdp_implementation(tmp_path):
+    """``python -m reffsdp.bench --profile DIR`` on CPU: ``DIR/streams-<impl>.json``."""
+    command = ["--model", "mlp", "--size", "tiny", "--backend", "threaded"]
+    command += ["--profile", str(tmp_path), "--impl", "reffsdp_fully_shard", "reffsdp_fsdp"]
+    paths = write_stream_traces(run_config(resolve(parser().parse_args(command))))
+    assert paths == [
+        str(tmp_path / f"streams-{name}.json") for name in ("reffsdp_fully_shard", "reffsdp_fsdp")
+    ]
+    for path in paths:
+        events = json.loads(open(path).read())["traceEvents"]
+        assert {"copy-in", "all-gather", "copy-out", "reduce-scatter"} <= {
+            e["name"] for e in events
+        }
+
+
+def _overlap(these: list[dict], those: list[dict]) -> float:
+    """Microseconds during which a slice of ``these`` and one of ``those`` both run."""
+    return sum(
+        max(0.0, min(a["ts"] + a["dur"], b["ts"] + b["dur"]) - max(a["ts"], b["ts"]))
+        for a in these
+        for b in those
+    )
+
+
 # -- the checker on its own -----------------------------------------------------------------
 
 
@@ -357,11 +425,11 @@ class Launches(StreamObserver):
         self.seen: set[tuple[str, str]] = set()
         self.waits: set[tuple[str, str]] = set()
 
-    def on_launch(self, stream, tick, op, reads, writes) -> None:
+    def on_launch(self, stream, tick, op, reads, writes, cost) -> None:
         phases = stream.rank.phases
         self.seen.add((stream.name, phases[-1] if phases else op))
 
-    def on_wait(self, stream, source) -> None:
+    def on_wait(self, stream, clock, source) -> None:
         self.waits.add((stream.name, source.name if source is not None else "?"))
 
 
