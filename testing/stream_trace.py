@@ -151,6 +151,7 @@ class _Schedule:
         self.ends: dict[int, list[float]] = {}  # per stream: end of its op i at [i - 1]
         self.slices: list[_Slice] = []
         self.flows: list[_Flow] = []
+        self.drawing = True  # False: lay out, draw nothing (before StreamLog.start)
 
     def launch(self, entry: Launch) -> None:
         stream, on_host = entry.stream, entry.stream.name == "host"
@@ -167,7 +168,8 @@ class _Schedule:
             self.host_us = end
         self.free_us[stream.id] = end
         self.ends.setdefault(stream.id, []).append(end)
-        self._add_slice(stream, entry.label, start, end)
+        if self.drawing:
+            self._add_slice(stream, entry.label, start, end)
 
     def wait(self, entry: Wait) -> None:
         ready = self._done_us(entry.clock)
@@ -177,7 +179,9 @@ class _Schedule:
         else:
             self.free_us[stream.id] = max(self.free_us.get(stream.id, 0.0), ready)
         source = entry.source
-        if source is not None and source is not stream and source.id in entry.clock:
+        if not self.drawing or source is None or source is stream:
+            return
+        if source.id in entry.clock:
             source_us = self._done_us({source.id: entry.clock[source.id]})
             if source_us > 0:
                 self.flows.append(_Flow(source, source_us, stream, ready))
@@ -225,16 +229,15 @@ def write_chrome_trace(report: SimulatedStreams, path: str, model: CostModel) ->
 
 
 def _replay(schedule: _Schedule, log: StreamLog) -> float:
-    """Lay out the whole log; the time drawing starts (the host's at ``log.start``)."""
-    origin = 0.0
+    """Lay out the whole log, drawing from ``log.start`` on; when the first slice drawn
+    starts (the trace's zero)."""
     for index, entry in enumerate(log.entries):
-        if index == log.start:
-            origin = schedule.host_us
+        schedule.drawing = index >= log.start
         if isinstance(entry, Launch):
             schedule.launch(entry)
         else:
             schedule.wait(entry)
-    return origin
+    return min((piece.start for piece in schedule.slices), default=0.0)
 
 
 def _metadata(pid: int, rank: RankStreams) -> Iterator[dict[str, Any]]:
@@ -250,8 +253,6 @@ def _metadata(pid: int, rank: RankStreams) -> Iterator[dict[str, Any]]:
 
 def _slices(pid: int, slices: list[_Slice], origin: float) -> Iterator[dict[str, Any]]:
     for piece in slices:
-        if piece.start < origin:
-            continue
         yield {
             "ph": "X",
             "pid": pid,

@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -361,6 +363,20 @@ def test_the_benchmark_writes_a_trace_per_reffsdp_implementation(tmp_path):
         assert {"copy-in", "all-gather", "copy-out", "reduce-scatter"} <= {
             e["name"] for e in events
         }
+
+
+def test_readmes_streams_section_holds():
+    """The rules README lists are the note's, the configurations are counted right, and the
+    command is one the benchmark takes."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Streams") : readme.index("## More documentation")]
+    for number in RULES:
+        assert f"\n{number}. " in streams.__doc__ and f"({number})" in section
+    clean = len(CONFIGS) + 1  # and the custom reduce-scatter that waits
+    assert f"in {clean}\nconfigurations" in section or f"in {clean} configurations" in section
+    (command,) = re.findall(r"python -m reffsdp\.bench (.*)", section)
+    args = resolve(parser().parse_args(command.split()))
+    assert args.profile == "traces/" and args.device == "cpu"
 
 
 def _overlap(these: list[dict], those: list[dict]) -> float:
