@@ -38,7 +38,10 @@ for the issuing stream, then reads the input and writes the output. Issued synch
 the issuing stream then waits for the collective; issued with ``async_op=True``, the stream
 current when ``work.wait()`` is called waits for it. That is NCCL's behaviour. The threaded
 process group moves the data at once, when the collective is called; that is the host
-doing the work early, which changes no order a GPU would see.
+doing the work early, which changes no order a GPU would see. Each rank's streams and
+memory are its own: a collective orders each rank's streams, and nothing one rank touches
+is another's, so no edge between ranks is needed (a collective on stream S of every rank is
+simply attributed to each rank).
 """
 
 from __future__ import annotations
