@@ -4,7 +4,7 @@ Import-compatible with ``torch.distributed.fsdp``: swap ``from torch.distributed
 import X`` for ``from reffsdp import X``.
 
 [Note: process-wide state]
-Almost all state lives on modules, parameters and the per-root contexts. Seven things are
+Almost all state lives on modules, parameters and the per-root contexts. Nine things are
 module globals, each safe when every rank is a thread of one process (the threaded test
 harness):
 
@@ -24,6 +24,14 @@ harness):
 * ``per_param/fully_shard.py`` ``_fsdp_classes``: the ``FSDP<Module>`` class made for each
   module class, kept for the process. Two ranks racing to make one class at worst make two
   equivalent classes, both subclasses of ``FSDPModule`` and the module class.
+* ``core/streams.py`` ``_cpu``: the stream backend CPU work runs through (see [Note: stream
+  backends] there): the host's, or a simulated one that ``reffsdp.testing.simulated_streams()``
+  installs for its block and takes out again. The simulated backend keeps each rank
+  thread's streams apart itself, so ranks share it safely; two blocks may not nest.
+* ``core/profiling.py`` ``_observer``: while simulated streams trace a run, the function
+  that names each phase (copy-in, all-gather, ...) for them; installed and removed with
+  the simulation, and it keeps no state of its own (each rank thread's phases live with that
+  thread's streams).
 * ``wrap.py`` ``_wrap_context``: the ``enable_wrap`` settings, a context variable and so
   per thread.
 * ``wrapper/dcp_support.py`` ``_entered`` and ``_originals``: while a call of

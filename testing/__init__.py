@@ -6,6 +6,7 @@ Downstream projects import it as ``reffsdp.testing``::
     from reffsdp.testing import check_train_parity, expected_counts, parity_scenarios
 
 ``python -m reffsdp.testing`` runs the parity suite (sharded training against DDP).
+``simulated_streams()`` runs CPU work on logical CUDA streams (see ``logical_streams``).
 """
 
 from reffsdp.core.comms import Collective
@@ -16,6 +17,7 @@ from .common import DistributedTestMixin
 from .expected_comms import expected_counts
 from .fake_pg import FakeStore, fake_process_group
 from .inputs import random_inputs, random_tokens
+from .logical_streams import simulated_streams
 from .meshes import mesh_1d, mesh_dp_tp, mesh_hsdp, mesh_nd
 from .models import (
     MLP,
@@ -108,5 +110,6 @@ __all__ = [
     "run_threaded",
     "sgd_with_momentum",
     "shard_bottom_up",
+    "simulated_streams",
     "sum_loss",
 ]

@@ -79,6 +79,7 @@ import torch
 import torch.distributed as dist
 
 from reffsdp.testing.common import DistributedTestMixin
+from reffsdp.testing.logical_streams import rank_context
 from reffsdp.testing.thread_world import prepare_rank_thread, threaded_world
 from reffsdp.testing.threaded_pg import (
     BACKEND_NAME,
@@ -157,7 +158,8 @@ def run_threaded(fn: Callable[[int], None], world_size: int, *, timeout_s: float
                     store=store,
                     timeout=timedelta(seconds=timeout_s),
                 )
-                fn(rank)
+                with rank_context(rank):  # logical streams, under simulated_streams()
+                    fn(rank)
             finally:
                 in_test.discard(rank)
         except BaseException as exc:  # reported by the main thread

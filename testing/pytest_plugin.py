@@ -5,9 +5,10 @@ Load it with ``pytest -p reffsdp.testing.pytest_plugin``, or for a whole project
 
     pytest_plugins = ["reffsdp.testing.pytest_plugin"]
 
-Two fixtures, built on :func:`~reffsdp.testing.multithread.run_threaded` (one thread per
-rank over the in-memory threaded process group) and
-:class:`~reffsdp.testing.comm_counter.CommCounter`:
+Three fixtures, built on :func:`~reffsdp.testing.multithread.run_threaded` (one thread per
+rank over the in-memory threaded process group),
+:class:`~reffsdp.testing.comm_counter.CommCounter` and
+:func:`~reffsdp.testing.logical_streams.simulated_streams`:
 
 * ``thread_world``: call it with a function of the rank; it runs that function on every
   rank of a fresh threaded world and returns the ranks' return values, in rank order. The
@@ -19,6 +20,9 @@ rank over the in-memory threaded process group) and
 * ``comm_counter``: ``with comm_counter.count(): ...`` on a rank counts the collectives that
   rank issues in the block; afterwards ``comm_counter[rank]`` is that rank's
   :class:`CommCounter` and ``comm_counter.counts(kind)`` maps each rank to its count.
+* ``simulated_streams``: for the test, CPU work runs on logical CUDA streams, each
+  ``thread_world`` rank on its own (see :mod:`reffsdp.testing.logical_streams`); the
+  fixture's value is the simulation's report.
 
 ::
 
@@ -53,6 +57,7 @@ import torch.distributed as dist
 
 from reffsdp.core.comms import Collective
 
+from . import logical_streams as _simulation
 from .comm_counter import CommCounter
 from .multithread import RankFailure, RankStopped, run_threaded
 from .threaded_pg import CollectiveAborted
@@ -184,3 +189,10 @@ def thread_world(request: pytest.FixtureRequest) -> ThreadWorld:
 def comm_counter() -> RankCommCounters:
     """Per-rank collective counts: ``with comm_counter.count(): ...`` on each rank."""
     return RankCommCounters()
+
+
+@pytest.fixture
+def simulated_streams() -> Iterator[_simulation.SimulatedStreams]:
+    """CPU work on logical streams for the test; the value is the simulation's report."""
+    with _simulation.simulated_streams() as report:
+        yield report

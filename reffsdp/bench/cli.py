@@ -94,7 +94,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--profile",
         metavar="DIR",
-        help="write a Chrome trace per rank of one extra round (default: none)",
+        help="write a Chrome trace per rank of one extra round, and on CPU one of each "
+        "reffsdp implementation's step on simulated GPU streams (default: none)",
     )
     p.add_argument(
         "--scaling",
@@ -155,6 +156,11 @@ def _run(args: argparse.Namespace, document: dict[str, Any]) -> None:
     document.update(config=_config_json(config, meta), memory=memory_note, results=summary)
     if args.profile:
         print(f"Chrome traces: {os.path.join(args.profile, 'rank<r>.json')}")
+    if args.profile and args.device == "cpu":
+        from .stream_traces import write_stream_traces
+
+        for path in write_stream_traces(config):
+            print(f"Simulated GPU streams (Chrome trace): {path}")
 
 
 def _config_json(config: dict[str, Any], meta: dict[str, Any] | None) -> dict[str, Any]:

@@ -58,7 +58,12 @@ from .member import GroupMember
 from .mesh import MeshInfo
 from .profiling import in_phase, phase
 from .sharding import pre_post_divide_factors
-from .streams import run_on_stream, wait_event_on_current_stream
+from .streams import (
+    backend_for,
+    record_on_current_stream,
+    run_on_stream,
+    wait_event_on_current_stream,
+)
 from .torch_internals import chunk_cat, foreach_copy_, premul_sum
 
 AVG = dist.ReduceOp.AVG
@@ -74,7 +79,7 @@ class AllGatherResult:
     input_numels: list[int]  # per parameter, in elements of output's dtype
     world_size: int  # ranks that contributed, i.e. rows of the output
     work: dist.Work | None = None
-    event: Any = None  # recorded on the all-gather stream after the collective (CUDA)
+    event: Any = None  # recorded on the all-gather stream after the collective (streams)
     in_place: bool = False  # ``output`` is the one member's buffer: no copy-out
 
     @in_phase("all-gather")
@@ -83,7 +88,7 @@ class AllGatherResult:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        wait_event_on_current_stream(self.event)
+        wait_event_on_current_stream(self.event, self.output.device)
         self.event = None
 
 
@@ -248,7 +253,7 @@ class PendingReduce:
 
     members: list[GroupMember]
     spec: ReduceSpec
-    input: torch.Tensor | None  # CUDA only: held until the collective finishes
+    input: torch.Tensor | None  # with streams only: held until the collective finishes
     output: torch.Tensor | None  # 1D, this rank's reduced row
     work: dist.Work | None = None
     completed: bool = field(default=False)
@@ -275,8 +280,8 @@ class PendingReduce:
             output.div_(spec.plan.post_factor)
         if _hand_out_grads(self.members, output):
             # Non-blocking device-to-host gradient copies: the final callback waits for this
-            # event before anyone (the optimizer, on the CPU) reads the gradients.
-            self.host_copy_event = torch.cuda.current_stream().record_event()
+            # event before anyone (the optimizer, on the CPU) reads the gradients (rule 6).
+            self.host_copy_event = record_on_current_stream(output.device)
 
     def wait(self) -> None:
         """Wait for the collective only (used to drop a reduction after an error)."""
@@ -329,12 +334,19 @@ def foreach_reduce(
     output = rs_input.new_empty(shard_numel)
     group = spec.group if spec.group is not None else spec.mesh_info.shard_group
     work = comm(output, rs_input, group, plan.reduce_scatter_op, async_op=True)
-    # On CUDA the caching allocator could hand the input's memory to the next allocation on
-    # the compute stream while the backend's stream still reads it: we hold it until the
-    # collective completes. On CPU a backend holds its own reference for as long as it reads
-    # a tensor (gloo even copies the input at issue), so ours would only raise the peak.
-    keep = rs_input if rs_input.device.type == "cuda" else None
-    return PendingReduce(members, spec, input=keep, output=output, work=work)
+    return PendingReduce(members, spec, input=_held_input(rs_input), output=output, work=work)
+
+
+def _held_input(rs_input: torch.Tensor) -> torch.Tensor | None:
+    """What a pending reduce-scatter holds of its input until it completes.
+
+    With streams (CUDA) the caching allocator could hand the input's memory to the next
+    allocation on the compute stream while the backend's stream still reads it: we hold it
+    (rule 5 of [Note: why all-gathers get their own stream] in ``streams``). On CPU a backend
+    holds its own reference for as long as it reads a tensor (gloo even copies the input at
+    issue), so ours would only raise the peak.
+    """
+    return None if backend_for(rs_input.device).runs_inline else rs_input
 
 
 def _laid_out_already(

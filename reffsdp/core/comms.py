@@ -2,7 +2,9 @@
 
 Every all-gather, reduce-scatter, all-reduce and broadcast that reffsdp runs goes through
 the functions below. That gives tests a single seam: :func:`intercept` swaps the
-collective one rank issues, without monkeypatching module globals.
+collective one rank issues, without monkeypatching module globals. Each is issued through
+its device's stream backend, which learns what it reads and writes (see [Note: stream
+backends] in :mod:`reffsdp.core.streams`).
 
 Which torch function carries an all-gather or reduce-scatter depends on the release (entry 1
 of [Note: torch versions] in :mod:`reffsdp.core.compat`); it is looked up on
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reffsdp.core import compat
+from reffsdp.core import compat, streams
 
 ReduceOp = dist.ReduceOp
 
@@ -105,6 +107,23 @@ def _resolve(kind: Collective) -> Callable[..., Any]:
     return _torch_collective(kind)
 
 
+def _issue(
+    kind: Collective,
+    call: Callable[[], dist.Work | None],
+    *,
+    group: dist.ProcessGroup,
+    reads: list[torch.Tensor],
+    writes: list[torch.Tensor],
+    async_op: bool,
+) -> dist.Work | None:
+    """Run ``call`` through the stream backend of the tensors' device (see [Note: stream
+    backends] in ``streams``): the collective reads ``reads`` and writes ``writes``."""
+    backend = streams.backend_for(writes[0].device)
+    return backend.run_collective(
+        kind.value, call, group=group, reads=reads, writes=writes, async_op=async_op
+    )
+
+
 @contextlib.contextmanager
 def intercept(kind: Collective, fn: Callable[..., Any]) -> Iterator[None]:
     """Route this rank's ``kind`` collectives to ``fn`` while the context is open.
@@ -136,7 +155,15 @@ def all_gather(
     async_op: bool = False,
 ) -> dist.Work | None:
     """Gather every rank's ``input`` into ``output`` (rank r's input at slice r)."""
-    return _resolve(Collective.ALL_GATHER)(output, input, group=group, async_op=async_op)
+    call = _resolve(Collective.ALL_GATHER)
+    return _issue(
+        Collective.ALL_GATHER,
+        lambda: call(output, input, group=group, async_op=async_op),
+        group=group,
+        reads=[input],
+        writes=[output],
+        async_op=async_op,
+    )
 
 
 def reduce_scatter(
@@ -148,7 +175,15 @@ def reduce_scatter(
     async_op: bool = False,
 ) -> dist.Work | None:
     """Reduce ``input`` over the group and leave this rank's slice in ``output``."""
-    return _resolve(Collective.REDUCE_SCATTER)(output, input, op=op, group=group, async_op=async_op)
+    call = _resolve(Collective.REDUCE_SCATTER)
+    return _issue(
+        Collective.REDUCE_SCATTER,
+        lambda: call(output, input, op=op, group=group, async_op=async_op),
+        group=group,
+        reads=[input],
+        writes=[output],
+        async_op=async_op,
+    )
 
 
 def all_reduce(
@@ -159,7 +194,15 @@ def all_reduce(
     async_op: bool = False,
 ) -> dist.Work | None:
     """Reduce ``tensor`` in place over the group."""
-    return _resolve(Collective.ALL_REDUCE)(tensor, op=op, group=group, async_op=async_op)
+    call = _resolve(Collective.ALL_REDUCE)
+    return _issue(
+        Collective.ALL_REDUCE,
+        lambda: call(tensor, op=op, group=group, async_op=async_op),
+        group=group,
+        reads=[tensor],
+        writes=[tensor],
+        async_op=async_op,
+    )
 
 
 def broadcast(
@@ -170,7 +213,15 @@ def broadcast(
     async_op: bool = False,
 ) -> dist.Work | None:
     """Copy global rank ``src``'s ``tensor`` to every rank of the group."""
-    return _resolve(Collective.BROADCAST)(tensor, src=src, group=group, async_op=async_op)
+    call = _resolve(Collective.BROADCAST)
+    return _issue(
+        Collective.BROADCAST,
+        lambda: call(tensor, src=src, group=group, async_op=async_op),
+        group=group,
+        reads=[tensor],
+        writes=[tensor],
+        async_op=async_op,
+    )
 
 
 def all_gather_object(output: list[Any], obj: Any, group: dist.ProcessGroup | None) -> None:

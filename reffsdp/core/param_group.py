@@ -35,6 +35,7 @@ from .member import GroupMember
 from .mesh import MeshInfo
 from .runtime import CommContext
 from .states import ShardedState, TrainingState, check_transition
+from .streams import backend_for
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ class ParamGroup:
                 output=self._member_output_to_gather_into(stream.on_compute_stream(current)),
             )
             self._all_gather.event = stream.record()
-        if self.device.type == "cpu" and not async_op:
+        if backend_for(self.device).runs_inline and not async_op:
             self._all_gather.wait()
 
     def _member_output_to_gather_into(self, on_compute_stream: bool) -> torch.Tensor | None:
@@ -303,7 +304,7 @@ class ParamGroup:
             assert self.comm_ctx is not None
             max_pending = settings.max_pending_reduces
             if max_pending is None:
-                max_pending = 0 if self.device.type == "cpu" else 1
+                max_pending = 0 if backend_for(self.device).runs_inline else 1
             self.comm_ctx.make_room_for_reduce(max_pending)
             spec = self._reduce_spec(members, grads)
             if len({g.dtype for g in grads}) > 1:  # see [Note: mixed precision]

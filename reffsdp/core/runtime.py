@@ -66,6 +66,11 @@ class CommContext:
         """End of backward: every gradient written, and (CPU offload) landed on the host."""
         while self.pending_reduces:
             self._complete_oldest()
+        self._wait_for_host_copies()
+
+    def _wait_for_host_copies(self) -> None:
+        """Rule 6 of [Note: why all-gathers get their own stream] in ``streams``: the host
+        waits for the gradients' non-blocking copies before the optimizer touches them."""
         for event in self._host_copy_events:
             event.synchronize()
         self._host_copy_events.clear()

@@ -46,6 +46,7 @@ from ..core.compat import fully_shard_default_reduce_dtype
 from ..core.member import GroupMember, resolve_dtypes, with_storage
 from ..core.mesh import MeshInfo
 from ..core.sharding import ShardLayout, contiguous_strides, shard_tensor, unshard_from_gathered
+from ..core.streams import backend_for
 from .mesh import TensorParallelSpec, sharded_spec
 
 
@@ -146,8 +147,10 @@ class ShardedParam(GroupMember):
             on_device = on_device.to(device)
         self.padded_shard = shard_tensor(on_device, self.layout).view(-1)
         # CPU offload: the shard (hence grads and optimizer state) lives on the host; a CPU
-        # compute device makes this a no-op. Pinned memory lets copies overlap compute.
-        self.offload = offload and device.type != "cpu"
+        # compute device makes this a no-op (unless simulated streams give it memory of its
+        # own: see [Note: stream backends] in core/streams). Pinned memory lets copies
+        # overlap compute.
+        self.offload = offload and backend_for(device).separate_host_memory
         self.pin_memory = pin_memory and self.offload
         if self.offload:
             self.padded_shard = self._to_host(self.padded_shard)
@@ -321,8 +324,7 @@ class ShardedParam(GroupMember):
                 )
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        host = tensor.to("cpu")
-        return host.pin_memory() if self.pin_memory else host
+        return backend_for(self.device).to_host(tensor, pin=self.pin_memory)
 
     def lazy_init(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
         """Re-pad the shard if something replaced it, then resolve mixed precision (see
@@ -378,8 +380,8 @@ class ShardedParam(GroupMember):
                 "reset_parameters())"
             )
         shard = self.padded_shard
-        if shard.device != self.device:
-            shard = shard.to(self.device, non_blocking=True)
+        if self.offload or shard.device != self.device:
+            shard = backend_for(self.device).to_device(shard, self.device, non_blocking=True)
         return shard.to(self.compute_dtype)
 
     def all_gather_output(self) -> torch.Tensor:
@@ -549,7 +551,7 @@ class ShardedParam(GroupMember):
         hooks = torch_internals.post_accumulate_grad_hooks(param)
         in_flight = self.offload and self.pin_memory and param.grad is None and not hooks
         if self.offload:
-            local_grad = local_grad.to("cpu", non_blocking=in_flight)
+            local_grad = backend_for(self.device).to_host(local_grad, non_blocking=in_flight)
         if param.grad is None:
             param.grad = self._to_dtensor(local_grad)
         else:

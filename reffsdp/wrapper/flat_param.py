@@ -78,6 +78,7 @@ import torch
 import torch.nn as nn
 
 from ..core.member import GroupMember, resolve_dtypes, with_storage
+from ..core.streams import backend_for
 from ..core.torch_internals import CHECKPOINT_WRAPPED_MODULE, registered_parameters
 from .flat_layout import FlatLayout, RankShard, flat_layout
 
@@ -160,7 +161,8 @@ class FlatParamHandle(GroupMember):
         self.unsafe_setattr = os.environ.get(UNSAFE_SETATTR, "") == "1"
         self.device = device
         self.use_orig_params = use_orig_params
-        self.offload = offload and device.type != "cpu"
+        # A CPU compute device makes offloading a no-op (see ShardedParam's).
+        self.offload = offload and backend_for(device).separate_host_memory
         self._fqn_prefix = fqn_prefix
         dtype = params[0].dtype
         self.layout: FlatLayout = flat_layout(
@@ -178,7 +180,7 @@ class FlatParamHandle(GroupMember):
         self._mp_request: tuple[torch.dtype | None, torch.dtype | None] | None = None
         self.local_shard = self._flatten_and_shard(params)
         if self.offload:
-            self.local_shard = self.local_shard.cpu().pin_memory()
+            self.local_shard = backend_for(device).to_host(self.local_shard, pin=True)
         requires_grad = any(p.requires_grad for p in params)
         self.flat_param = FlatParameter(self.local_shard, requires_grad=requires_grad)
         self.flat_param._fqns = tuple(self.fqns)
@@ -357,8 +359,8 @@ class FlatParamHandle(GroupMember):
                 f"it on {data.device}; pass device_id (or CPUOffload) to the constructor "
                 "instead of moving the wrapped model to another device"
             )
-        if self.offload and not data.is_pinned():
-            data = data.pin_memory()
+        if self.offload:
+            data = backend_for(self.device).pinned(data)
         self.flat_param.data = data
         self.local_shard = data
         if data.dtype != self.orig_dtype:
@@ -379,8 +381,8 @@ class FlatParamHandle(GroupMember):
 
     def all_gather_input(self) -> torch.Tensor:
         shard = self.local_shard
-        if shard.device != self.device:
-            shard = shard.to(self.device, non_blocking=True)
+        if self.offload or shard.device != self.device:
+            shard = backend_for(self.device).to_device(shard, self.device, non_blocking=True)
         return shard.to(self.compute_dtype)
 
     def all_gather_output(self) -> torch.Tensor:
@@ -531,7 +533,7 @@ class FlatParamHandle(GroupMember):
         keep_low = self.keep_low_precision_grads and self.param_dtype is not None
         grad = shard.to(self.param_dtype if keep_low else self.orig_dtype)
         if self.offload:
-            grad = grad.to("cpu")
+            grad = backend_for(self.device).to_host(grad)
         if not self.use_orig_params:
             flat = self.flat_param
             if flat.grad is None:
