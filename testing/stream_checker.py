@@ -52,16 +52,14 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.flop_counter import flop_registry
 
 from .stream_trace import OpCost
-
-if TYPE_CHECKING:
-    from .logical_streams import RankStreams, SimStream
+from .stream_types import RankStreams, SimStream
 
 RULES = {
     1: "rule 1: the all-gather stream waits for the compute stream (or the post-optimizer "

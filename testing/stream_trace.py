@@ -27,12 +27,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .logical_streams import RankStreams, SimStream, SimulatedStreams
+from .stream_types import RankStreams, SimStream, SimulatedStreams
 
 # Rows in this order, top to bottom; the rest (user streams) after them.
 _ROW_ORDER = ("compute", "all-gather", "comm", "host")
