@@ -77,7 +77,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..core.member import GroupMember, resolve_dtypes, with_storage
+from ..core.member import PaddedShardMember, resolve_dtypes
 from ..core.torch_internals import CHECKPOINT_WRAPPED_MODULE, registered_parameters
 from .flat_layout import FlatLayout, RankShard, flat_layout
 
@@ -137,7 +137,7 @@ def _set_tensor(
         module.__dict__[name] = tensor
 
 
-class FlatParamHandle(GroupMember):
+class FlatParamHandle(PaddedShardMember):
     """A :class:`~reffsdp.core.member.GroupMember` made of many parameters."""
 
     def __init__(
@@ -375,20 +375,17 @@ class FlatParamHandle(GroupMember):
                 _assign_grad(param, fn(grad))
         self.show_sharded()
 
-    # -- all-gather ---------------------------------------------------------------------
+    # -- all-gather (see PaddedShardMember) ----------------------------------------------
 
-    def all_gather_input(self) -> torch.Tensor:
-        shard = self.local_shard
-        if shard.device != self.device:
-            shard = shard.to(self.device, non_blocking=True)
-        return shard.to(self.compute_dtype)
+    def _padded_shard(self) -> torch.Tensor:
+        return self.local_shard
 
-    def all_gather_output(self) -> torch.Tensor:
-        numel = self.layout.padded_numel
-        if self.gathered is None or self.gathered.dtype != self.compute_dtype:
-            self.unsharded = None  # a new buffer: the unsharded views are rebuilt
-        self.gathered = with_storage(self.gathered, numel, self.compute_dtype, self.device)
-        return self.gathered.data
+    @property
+    def _gathered_numel(self) -> int:
+        return self.layout.padded_numel
+
+    def _forget_unsharded(self) -> None:
+        self.unsharded = None
 
     def finish_unshard(self) -> None:
         if self.unsharded is None or self.unsharded.requires_grad != self.requires_grad:
@@ -472,11 +469,7 @@ class FlatParamHandle(GroupMember):
 
     def take_grad_for_reduce(self, zeros_if_unused: bool) -> torch.Tensor | None:
         self._hide_kept_grad()
-        grad = self._pop_unsharded_grad()
-        if self.unsharded_accumulated_grad is not None:
-            if grad is not None:
-                self.unsharded_accumulated_grad += grad
-            grad, self.unsharded_accumulated_grad = self.unsharded_accumulated_grad, None
+        grad = self._take_unsharded_grad()
         if grad is None and zeros_if_unused:
             numel, dtype = self.layout.total_numel, self.compute_dtype
             grad = torch.zeros(numel, dtype=dtype, device=self.device)
@@ -486,13 +479,7 @@ class FlatParamHandle(GroupMember):
 
     def keep_unsharded_grad(self) -> None:
         self._hide_kept_grad()
-        grad = self._pop_unsharded_grad()
-        if grad is not None:
-            dtype = self.reduce_dtype or grad.dtype
-            if self.unsharded_accumulated_grad is None:
-                self.unsharded_accumulated_grad = grad.to(dtype, copy=True)
-            else:
-                self.unsharded_accumulated_grad += grad
+        super().keep_unsharded_grad()
         self._show_kept_grad()
 
     def _show_kept_grad(self) -> None:
