@@ -101,7 +101,10 @@ class GroupMember(Protocol):
     # -- what the module sees -----------------------------------------------------------
 
     def to_unsharded(self) -> None:
-        """Make the module compute with the unsharded form."""
+        """Make the module compute with the unsharded form: after each all-gather, and
+        once per forward (and per recompute in backward) even when the group stayed
+        unsharded since the last, so a member that shows views autograd records (a flat
+        parameter's) makes fresh ones for each forward's graph."""
         ...
 
     def to_sharded(self) -> None:

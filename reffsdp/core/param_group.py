@@ -209,14 +209,31 @@ class ParamGroup:
         """Finish a started all-gather and show the unsharded parameters."""
         if self._all_gather is None:
             return
+        self._finish_all_gather()
+        self._show_unsharded()
+
+    def unshard_and_show(self, *, after_compute: bool = False) -> None:
+        """Unshard (unless unsharded), wait, and show the unsharded parameters once, whether
+        or not this call gathered: what the module computes with now, in a forward or its
+        recompute in backward. A member whose views autograd records makes fresh ones here
+        (see ``to_unsharded`` in [Note: group members]). ``after_compute`` as for
+        :meth:`unshard`."""
+        self.unshard(after_compute=after_compute)
+        if self._all_gather is not None:
+            self._finish_all_gather()
+        self._show_unsharded()
+
+    def _finish_all_gather(self) -> None:
+        assert self._all_gather is not None and self.comm_ctx is not None
         result, self._all_gather = self._all_gather, None
         collectives.foreach_all_gather_copy_out(result, self.members)
-        assert self.comm_ctx is not None
         if not result.in_place:  # a member's own buffer stays with the member
             self.comm_ctx.all_gather_stream(self.device).consumed(result.output)
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def _show_unsharded(self) -> None:
         for member in self.members:
             member.to_unsharded()
-        self.sharded_state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
         """Show the sharded parameters and free the unsharded storage."""
@@ -245,8 +262,7 @@ class ParamGroup:
 
     def pre_forward(self) -> None:
         self._transition(TrainingState.FORWARD)
-        self.unshard()
-        self.wait_for_unshard()
+        self.unshard_and_show()
 
     def post_forward(self, *, backward_follows: bool = True) -> None:
         """Reshard per the settings; without a backward to come, always fully."""

@@ -528,8 +528,7 @@ class FullyShardedDataParallel(nn.Module):
         self.training_state = TrainingState.FORWARD
         args, kwargs = self._cast_inputs(args, kwargs, root=False)
         if self._group is not None:
-            self._group.pre_forward()
-            self._handle.to_unsharded()  # fresh views, so autograd sees this forward
+            self._group.pre_forward()  # fresh views, so autograd sees this forward
             if not ctx.forward_order_recorded:
                 ctx.forward_order.append(self)
             if self.forward_prefetch:
@@ -558,9 +557,7 @@ class FullyShardedDataParallel(nn.Module):
     def _unshard_now(self) -> None:
         """Gather and show the full parameters now, outside the forward's order."""
         if self._group is not None:
-            self._group.unshard(after_compute=True)
-            self._group.wait_for_unshard()
-            self._handle.to_unsharded()
+            self._group.unshard_and_show(after_compute=True)
 
     def _root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         ctx = self._root_ctx
