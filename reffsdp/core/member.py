@@ -30,6 +30,7 @@ how a gradient is read) is written twice.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
@@ -117,6 +118,13 @@ class GroupMember(Protocol):
 
     def post_forward_all_gather_input(self) -> torch.Tensor:
         """The block kept by ``to_sharded_post_forward``, as the next all-gather's input."""
+        ...
+
+    def in_orig_dtype(self) -> AbstractContextManager[None]:
+        """For the duration, gather and compute in the original dtype (``param_dtype``
+        ``None``) with unsharded buffers of its own; the compute-dtype ones, which tensors
+        saved for a pending backward may alias, are set aside and come back on exit
+        (``ParamGroup.unsharded_in_full_precision``)."""
         ...
 
     # -- gradients ----------------------------------------------------------------------

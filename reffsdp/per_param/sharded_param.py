@@ -33,7 +33,9 @@ re-gathering in backward does not make autograd reject tensors it saved in forwa
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -426,6 +428,15 @@ class ShardedParam(PaddedShardMember):
         for tensor in (self.gathered, self._unsharded_data):
             if tensor is not None:
                 tensor.untyped_storage().resize_(0)
+
+    @contextlib.contextmanager
+    def in_orig_dtype(self) -> Iterator[None]:
+        aside = (self.gathered, self.unsharded_param, self._unsharded_data, self.param_dtype)
+        self.gathered = self.unsharded_param = self._unsharded_data = self.param_dtype = None
+        try:
+            yield
+        finally:
+            self.gathered, self.unsharded_param, self._unsharded_data, self.param_dtype = aside
 
     # -- registration -------------------------------------------------------------------
 

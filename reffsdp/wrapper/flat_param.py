@@ -70,8 +70,9 @@ constructor (``device_id``, ``CPUOffload``): a move to another device is refused
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -452,6 +453,15 @@ class FlatParamHandle(PaddedShardMember):
         self.show_sharded()
         if self.gathered is not None and self.gathered.untyped_storage().size() > 0:
             self.gathered.untyped_storage().resize_(0)
+
+    @contextlib.contextmanager
+    def in_orig_dtype(self) -> Iterator[None]:
+        aside = (self.gathered, self.unsharded, self.param_dtype)
+        self.gathered = self.unsharded = self.param_dtype = None
+        try:
+            yield
+        finally:
+            self.gathered, self.unsharded, self.param_dtype = aside
 
     def to_sharded_post_forward(self, rank: int, world_size: int) -> None:
         raise NotImplementedError("the wrapper API reshards after forward fully or not at all")

@@ -49,7 +49,7 @@ import torch.nn as nn
 
 from ..api import ShardingStrategy
 from ..core import comms
-from ..core.states import ShardedState, TrainingState
+from ..core.states import TrainingState
 from ..core.torch_internals import registered_parameters
 from .flat_param import FlatParamHandle, _assign_grad, _set_tensor
 
@@ -186,20 +186,31 @@ def summon_one(instance: FullyShardedDataParallel, **options: bool) -> Iterator[
         if instance._handle is None:
             yield
             return
-        full = _FullParams(instance, with_grads=options["with_grads"])
-        if options["rank0_only"] and _rank_in_group(instance) != 0:
-            full.release()
-            yield
-            return
         writeback = options["writeback"] or not _uses_sharded_strategy(instance)
-        full.show(offload_to_cpu=options["offload_to_cpu"])
-        try:
+        with contextlib.ExitStack() as window:  # exits run last-entered first
+            window.callback(_show_current_form, instance)
+            window.enter_context(instance._group.unsharded_in_full_precision())
+            full = _FullParams(instance, with_grads=options["with_grads"])
+            if options["rank0_only"] and _rank_in_group(instance) != 0:
+                window.close()  # gathered with the others, shown on rank 0 alone
+                yield
+                return
+            full.show(offload_to_cpu=options["offload_to_cpu"])
+            window.callback(full.hide, writeback=writeback)
             yield
-        finally:
-            full.hide(writeback=writeback)
-            full.release()
     finally:
         instance._summoning = False
+
+
+def _show_current_form(instance: FullyShardedDataParallel) -> None:
+    """After a summon, show the parameters as the group now holds them: the forward's views
+    of a group still unsharded, else the shards (the original parameters
+    (``use_orig_params=True``) always show their shards, as torch's do)."""
+    handle = instance._handle
+    if instance._group.is_unsharded and not handle.use_orig_params:
+        handle.to_unsharded()
+    else:
+        handle.show_sharded()
 
 
 class _FullParams:
@@ -208,42 +219,15 @@ class _FullParams:
     def __init__(self, instance: FullyShardedDataParallel, *, with_grads: bool) -> None:
         self.instance = instance
         self.handle: FlatParamHandle = instance._handle
-        self.group = instance._group
         self.rank = instance._mesh_info.shard_rank
-        self.set_aside: tuple[Any, Any] | None = None  # the forward's low-precision buffers
-        self.was_unsharded = False  # ... and whether they held parameters
-        self.gathered_here = False
-        self.flat = self._gather()  # 1-D, padded_numel, original dtype
+        # The group shows the full parameters (ParamGroup.unsharded_in_full_precision).
+        self.flat = self.handle.gathered  # 1-D, padded_numel, original dtype
         self.grad_flat = self._gather_grads() if with_grads else None  # same layout
         self.cpu_copy: torch.Tensor | None = None  # what the module views (offload_to_cpu)
         self.saved_grads: list[torch.Tensor | None] = []
         self.saved_flat_entries: list[tuple[str, Any]] | None = None
 
-    # -- gather / release ---------------------------------------------------------------
-
-    def _gather(self) -> torch.Tensor:
-        handle, group = self.handle, self.group
-        group.lazy_init()  # resolves the handle's dtypes; we override them below
-        low_precision = handle.param_dtype is not None
-        if group.is_unsharded and not low_precision:
-            return handle.gathered  # unsharded since forward: already full precision
-        if low_precision:
-            # Forward's views alias these buffers (freed or not): the backward regathers
-            # into them, so the full-precision gather must use buffers of its own.
-            if group.is_unsharded:
-                group.sharded_state = ShardedState.SHARDED
-                self.was_unsharded = True
-            else:
-                group.reshard()  # drops a low-precision prefetch nobody waited for
-            self.set_aside = (handle.gathered, handle.unsharded)
-            handle.gathered = handle.unsharded = None
-        param_dtype, handle.param_dtype = handle.param_dtype, None
-        try:
-            self.instance._unshard_now()
-        finally:
-            handle.param_dtype = param_dtype
-        self.gathered_here = True
-        return handle.gathered
+    # -- gradients ----------------------------------------------------------------------
 
     def _gather_grads(self) -> torch.Tensor | None:
         """Every rank's gradient shard, gathered; ``None`` if no rank holds one."""
@@ -268,22 +252,6 @@ class _FullParams:
         full = torch.empty(handle.layout.padded_numel, dtype=dtype, device=handle.device)
         comms.all_gather(full, shard, mesh_info.shard_group)
         return full
-
-    def release(self) -> None:
-        """Reshard if this summon gathered; give back what forward left unsharded; show the
-        parameters as they are now (after :meth:`hide`, if the summon showed them). Original
-        parameters (``use_orig_params=True``) show their shards, as torch's do."""
-        handle, group = self.handle, self.group
-        if self.gathered_here:
-            group.reshard()
-        if self.set_aside is not None:
-            handle.gathered, handle.unsharded = self.set_aside
-            if self.was_unsharded:
-                group.sharded_state = ShardedState.UNSHARDED
-        if group.is_unsharded and not handle.use_orig_params:
-            handle.to_unsharded()
-        else:
-            handle.show_sharded()
 
     # -- what the module shows ----------------------------------------------------------
 
