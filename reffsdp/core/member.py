@@ -192,9 +192,9 @@ class PaddedShardMember(GroupMember):
     """The all-gather input and output, and the gradient kept while sync is off, of a
     member whose shard is one padded 1-D tensor (both kinds of member).
 
-    A subclass sets ``device`` (the compute device), ``offload``, ``gathered`` (``None`` until the first
-    all-gather) and ``unsharded_accumulated_grad`` (``None``), and answers the four methods
-    below that raise here.
+    A subclass sets ``device`` (the compute device), ``offload``, ``gathered`` (``None``
+    until the first all-gather) and ``unsharded_accumulated_grad`` (``None``), and answers
+    the four methods below that raise here.
     """
 
     device: torch.device
