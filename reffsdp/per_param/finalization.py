@@ -30,21 +30,9 @@ for) and, for rule 4 across roots, on the shared ``RootCommContext``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from ..core.autograd_hooks import in_backward
 from ..core.param_group import ParamGroup
-
-if TYPE_CHECKING:
-    from .state import FSDPState, StateContext
-
-
-@dataclass(eq=False)
-class AsyncFinalization:
-    """One ``finalize_backward(async_op=True)`` whose handle has not waited yet."""
-
-    owner: StateContext  # the context of the root that finalized
+from .state import AsyncFinalization, FSDPState
 
 
 def set_mode(state: FSDPState, enabled: bool) -> None:

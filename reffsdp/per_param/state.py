@@ -43,7 +43,6 @@ from ..core.param_group import ParamGroup
 from ..core.runtime import CommContext
 from ..core.states import TrainingState
 from .api import MixedPrecisionPolicy
-from .finalization import AsyncFinalization
 
 _STATE_KEY = "_reffsdp_fully_shard_state"
 
@@ -60,6 +59,14 @@ class StateContext(RootContext):
     ``finalization``)."""
 
     finalization_pending: bool = False
+
+
+@dataclass(eq=False)
+class AsyncFinalization:
+    """One ``finalize_backward(async_op=True)`` whose handle has not waited yet; what to do
+    with it is in ``finalization``."""
+
+    owner: StateContext  # the context of the root that finalized
 
 
 @dataclass
