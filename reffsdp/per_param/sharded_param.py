@@ -117,18 +117,31 @@ class ShardedParam(PaddedShardMember):
         self.shard_dim = shard_dim
         if mesh_info.spmd is not None:
             mesh_info.spmd.check_param(param, self.shard_dim, self.description)
+        self._init_layout(param)
+        self._init_dtypes_and_forms(param.dtype, param_dtype_override)
+        self._init_shard(param, offload, pin_memory)
+
+    def _init_layout(self, param: nn.Parameter) -> None:
+        """Where this rank's rows are, and the spec the sharded DTensor carries."""
         # A DTensor parameter (tensor parallel): FSDP shards its local shard.
         self.tp_spec: TensorParallelSpec | None = None
         if isinstance(param, DTensor):
             self.tp_spec = TensorParallelSpec(param.device_mesh, tuple(param.placements))
         self.global_size = param.size()
-        self.spec_mesh, self.spec_placements = sharded_spec(mesh_info, self.shard_dim, self.tp_spec)
-        self._dtensor_specs: dict[torch.dtype, Any] = {}  # see _to_dtensor
-        local_param = param.to_local() if isinstance(param, DTensor) else param
-        self.layout = ShardLayout(
-            local_param.size(), self.shard_dim, mesh_info.shard_size, mesh_info.shard_rank
+        self.spec_mesh, self.spec_placements = sharded_spec(
+            self.mesh_info, self.shard_dim, self.tp_spec
         )
-        self.orig_dtype = param.dtype
+        self._dtensor_specs: dict[torch.dtype, Any] = {}  # see _to_dtensor
+        local_size = param.to_local().size() if isinstance(param, DTensor) else param.size()
+        self.layout = ShardLayout(
+            local_size, self.shard_dim, self.mesh_info.shard_size, self.mesh_info.shard_rank
+        )
+
+    def _init_dtypes_and_forms(
+        self, orig_dtype: torch.dtype, param_dtype_override: torch.dtype | None
+    ) -> None:
+        """The dtypes (set at lazy init) and the unsharded form's slots, all empty."""
+        self.orig_dtype = orig_dtype
         # What ``MixedPrecisionPolicy.param_dtype_override_fn`` chose for this parameter
         # instead of the policy's ``param_dtype`` (None: the policy's).
         self.param_dtype_override = param_dtype_override
@@ -144,15 +157,18 @@ class ShardedParam(PaddedShardMember):
         # Gradient kept across backwards while gradient sync is off (in reduce dtype).
         self.unsharded_accumulated_grad: torch.Tensor | None = None
 
+    def _init_shard(self, param: nn.Parameter, offload: bool, pin_memory: bool) -> None:
+        """Cut this rank's padded shard out of ``param`` and register it as a DTensor."""
+        local_param = param.to_local() if isinstance(param, DTensor) else param
         on_device = local_param.detach()
-        if on_device.device != device and on_device.device.type != "meta":
-            on_device = on_device.to(device)
+        if on_device.device != self.device and on_device.device.type != "meta":
+            on_device = on_device.to(self.device)
         self.padded_shard = shard_tensor(on_device, self.layout).view(-1)
         # CPU offload: the shard (hence grads and optimizer state) lives on the host; a CPU
         # compute device makes this a no-op (unless simulated streams give it memory of its
         # own: see [Note: stream backends] in core/streams). Pinned memory lets copies
         # overlap compute.
-        self.offload = offload and backend_for(device).separate_host_memory
+        self.offload = offload and backend_for(self.device).separate_host_memory
         self.pin_memory = pin_memory and self.offload
         if self.offload:
             self.padded_shard = self._to_host(self.padded_shard)
