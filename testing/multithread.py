@@ -132,39 +132,52 @@ def run_threaded(fn: Callable[[int], None], world_size: int, *, timeout_s: float
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     register_threaded_backend()
-    store = dist.HashStore()
-    job = ThreadedJob.for_store(store)
-    stop = threading.Event()
-    outcomes: dict[int, _RankOutcome] = {}
-    in_test: set[int] = set()  # ranks that may be interrupted: not yet cleaning up
+    run = _ThreadedRun(fn, world_size, timeout_s)
+    with threaded_world(), _sleep_ends_with_the_run():
+        stacks, unstoppable = run.start_and_wait()
+    _raise_for_outcomes(run.outcomes, stacks, timeout_s, unstoppable)
 
-    def record_failure(rank: int, exc: BaseException) -> None:
-        outcomes.setdefault(rank, _RankOutcome(exc, traceback.format_exc()))
-        job.abort(f"rank {rank} raised {type(exc).__name__}: {exc}")
 
-    def rank_main(rank: int) -> None:
+class _ThreadedRun:
+    """One :func:`run_threaded`: what its main thread and its rank threads share."""
+
+    def __init__(self, fn: Callable[[int], None], world_size: int, timeout_s: float) -> None:
+        self.fn = fn
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.store = dist.HashStore()
+        self.job = ThreadedJob.for_store(self.store)
+        self.stop = threading.Event()
+        self.outcomes: dict[int, _RankOutcome] = {}
+        self.in_test: set[int] = set()  # ranks that may be interrupted: not yet cleaning up
+
+    def record_failure(self, rank: int, exc: BaseException) -> None:
+        self.outcomes.setdefault(rank, _RankOutcome(exc, traceback.format_exc()))
+        self.job.abort(f"rank {rank} raised {type(exc).__name__}: {exc}")
+
+    def rank_main(self, rank: int) -> None:
         # Abort before destroying the group: peers must see a failure as an abort (a
         # consequence), not as this rank leaving the group early (a bug of its own).
         __tracebackhide__ = True  # pytest leaves this frame out of a rank's traceback
         prepare_rank_thread()
-        _rank_thread.stop = stop
+        _rank_thread.stop = self.stop
         world = dist.distributed_c10d._world  # this run's (see threaded_world)
-        in_test.add(rank)
+        self.in_test.add(rank)
         try:
             try:
                 dist.init_process_group(
                     BACKEND_NAME,
                     rank=rank,
-                    world_size=world_size,
-                    store=store,
-                    timeout=timedelta(seconds=timeout_s),
+                    world_size=self.world_size,
+                    store=self.store,
+                    timeout=timedelta(seconds=self.timeout_s),
                 )
                 with rank_context(rank):  # logical streams, under simulated_streams()
-                    fn(rank)
+                    self.fn(rank)
             finally:
-                in_test.discard(rank)
+                self.in_test.discard(rank)
         except BaseException as exc:  # reported by the main thread
-            record_failure(rank, exc)
+            self.record_failure(rank, exc)
         finally:
             try:
                 # A rank ended late may get here after the run has put c10d's own world
@@ -172,34 +185,36 @@ def run_threaded(fn: Callable[[int], None], world_size: int, *, timeout_s: float
                 if dist.distributed_c10d._world is world and dist.is_initialized():
                     dist.destroy_process_group()  # unless the test destroyed it already
             except BaseException as exc:
-                record_failure(rank, exc)
+                self.record_failure(rank, exc)
 
-    unstoppable: list[int] = []
-    with threaded_world(), _sleep_ends_with_the_run():
+    def start_and_wait(self) -> tuple[dict[int, str], list[int]]:
+        """Start the rank threads and wait for them: the stacks of those past the deadline
+        and the ranks that would not end even when stopped."""
         threads = [
-            threading.Thread(target=rank_main, args=(rank,), name=f"rank{rank}", daemon=True)
-            for rank in range(world_size)
+            threading.Thread(target=self.rank_main, args=(rank,), name=f"rank{rank}", daemon=True)
+            for rank in range(self.world_size)
         ]
         launched: list[threading.Thread] = []  # start() called: index = rank
+        unstoppable: list[int] = []
         try:
             for thread in threads:
                 launched.append(thread)
                 thread.start()
-            stuck = _join_until(threads, time.monotonic() + timeout_s)
+            stuck = _join_until(threads, time.monotonic() + self.timeout_s)
             stacks = {rank: _stack_of(threads[rank]) for rank in stuck}
             if stuck:
-                job.abort(f"the run timed out after {timeout_s:g}s")
-                stop.set()
-                unstoppable = _end_late_ranks(threads, in_test)
+                self.job.abort(f"the run timed out after {self.timeout_s:g}s")
+                self.stop.set()
+                unstoppable = _end_late_ranks(threads, self.in_test)
             _wait_until_gone_from_the_os(threads, time.monotonic() + _STOP_S)
         except KeyboardInterrupt:  # see [Note: an interrupted run]
-            job.abort("the run was interrupted")
-            stop.set()
+            self.job.abort("the run was interrupted")
+            self.stop.set()
             started = _until_running(launched, time.monotonic() + _STOP_S)
-            _end_late_ranks(started, in_test)
+            _end_late_ranks(started, self.in_test)
             _wait_until_gone_from_the_os(started, time.monotonic() + _STOP_S)
             raise
-    _raise_for_outcomes(outcomes, stacks, timeout_s, unstoppable)
+        return stacks, unstoppable
 
 
 def _join_until(threads: list[threading.Thread], deadline: float) -> list[int]:
