@@ -197,76 +197,120 @@ def check_train_parity(
     unsharded = preflight.unsharded_blocks_message(sharded_model, block_types)
     if unsharded:
         _fail(test_case, f"check_train_parity, before training: {unsharded}")
-    loss_fn = loss_fn or sum_loss
-    optimizer_factory = optimizer_factory or sgd_with_momentum
     tolerances = Tolerances(
         rtol, atol, world_size=dist.get_world_size(), num_microbatches=num_microbatches
     )
     other_weights = preflight.ranks_with_other_weights(ref_model)
-    ddp_model = DistributedDataParallel(ref_model, **(ddp_kwargs or {}))
-    ref_optim = optimizer_factory(ddp_model.parameters())
-    optim = optimizer_factory(sharded_model.parameters())
-
-    diffs = ParityDiffs()
-
-    def check_params(when: str, reductions: int, hint: str = "") -> float:
-        """Compare the weights (or gradients); returns the largest weight difference seen
-        on any rank so far."""
-        problems = _param_problems(
-            ref_model,
-            sharded_model,
-            prefixes_to_ignore,
-            require_dtensor=False,
-            tolerances=tolerances,
-            reductions=reductions,
-            diffs=diffs,
-        )
-        drift = diffs.max_param_diff or 0.0
-        return _agree_and_report(test_case, f"check_train_parity, {when}", problems, hint, drift)
-
-    ddp_no_sync = (lambda _: ddp_model.no_sync()) if no_sync is not None else None
+    run = _TrainParityRun(
+        test_case,
+        ref_model,
+        sharded_model,
+        optimizer_factory or sgd_with_momentum,
+        loss_fn=loss_fn or sum_loss,
+        no_sync=no_sync,
+        prefixes_to_ignore=prefixes_to_ignore,
+        ddp_kwargs=ddp_kwargs or {},
+        tolerances=tolerances,
+        expected_counts=expected_counts,
+    )
     rank = dist.get_rank()
     step_losses = []
     try:
         weights_hint = preflight.WEIGHTS_HINT.format(ranks=other_weights) if other_weights else ""
-        drift = check_params("before training", 0, weights_hint)
+        drift = run.check_params("before training", 0, weights_hint)
         for step in range(num_steps):
             first = step * num_microbatches
             inputs = [make_inputs(i, rank) for i in range(first, first + num_microbatches)]
-            ref_optim.zero_grad()
-            optim.zero_grad()
-            ref_losses = _forward_backward(ddp_model, inputs, loss_fn, ddp_no_sync)
-            tally = CommTally()
-            with _counting(tally, expected_counts):
-                losses = _forward_backward(sharded_model, inputs, loss_fn, no_sync)
-            slack = 2 * drift * _grad_l1(ref_model)  # point 5 of [Note: default tolerances]
-            loss_problems = _loss_problems(
-                losses, ref_losses, tolerances, max(step, 1), diffs, slack
-            )
-            _agree_and_report(
-                test_case,
-                f"check_train_parity, step {step} losses",
-                loss_problems,
-                _dropout_hint(ref_model) if step == 0 else "",
-            )
-            check_params(f"step {step} after backward", step + 1)
-            if step == 0:
-                _check_gradients_not_vacuous(ref_model)
-            ref_optim.step()
-            with _counting(tally, expected_counts):
-                optim.step()
-            if expected_counts is not None:
-                _agree_and_report(
-                    test_case,
-                    f"check_train_parity, step {step} collectives",
-                    _count_problems(tally, expected_counts),
-                )
-            drift = check_params(f"step {step} after the optimizer step", step + 1)
-            step_losses.append(sum(_full(loss).item() for loss in losses))
+            drift, loss = run.step(step, inputs, drift)
+            step_losses.append(loss)
     except AssertionError as error:
-        error.parity = diffs  # type: ignore[attr-defined]
+        error.parity = run.diffs  # type: ignore[attr-defined]
         raise
-    return TrainParity(step_losses, diffs.agreed())
+    return TrainParity(step_losses, run.diffs.agreed())
+
+
+class _TrainParityRun:
+    """One :func:`check_train_parity`: the two models, their optimizers and what each
+    step checks."""
+
+    def __init__(
+        self,
+        test_case: unittest.TestCase | None,
+        ref_model: nn.Module,
+        sharded_model: nn.Module,
+        optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+        *,
+        loss_fn: Callable[[Any], torch.Tensor],
+        no_sync: Callable[[nn.Module], AbstractContextManager[Any]] | None,
+        prefixes_to_ignore: Sequence[str],
+        ddp_kwargs: Mapping[str, Any],
+        tolerances: Tolerances,
+        expected_counts: Mapping[str, float] | None,
+    ) -> None:
+        self.test_case = test_case
+        self.ref_model = ref_model
+        self.sharded_model = sharded_model
+        self.ddp_model = DistributedDataParallel(ref_model, **ddp_kwargs)
+        self.ref_optim = optimizer_factory(self.ddp_model.parameters())
+        self.optim = optimizer_factory(sharded_model.parameters())
+        self.loss_fn = loss_fn
+        self.no_sync = no_sync
+        self.ddp_no_sync = (lambda _: self.ddp_model.no_sync()) if no_sync is not None else None
+        self.prefixes_to_ignore = prefixes_to_ignore
+        self.tolerances = tolerances
+        self.expected_counts = expected_counts
+        self.diffs = ParityDiffs()
+
+    def check_params(self, when: str, reductions: int, hint: str = "") -> float:
+        """Compare the weights (or gradients); returns the largest weight difference seen
+        on any rank so far."""
+        problems = _param_problems(
+            self.ref_model,
+            self.sharded_model,
+            self.prefixes_to_ignore,
+            require_dtensor=False,
+            tolerances=self.tolerances,
+            reductions=reductions,
+            diffs=self.diffs,
+        )
+        drift = self.diffs.max_param_diff or 0.0
+        return _agree_and_report(
+            self.test_case, f"check_train_parity, {when}", problems, hint, drift
+        )
+
+    def step(self, step: int, inputs: list[Any], drift: float) -> tuple[float, float]:
+        """Train both models one step on ``inputs`` (one per microbatch) and check it;
+        returns the weights' drift after it and this rank's loss, summed over microbatches."""
+        self.ref_optim.zero_grad()
+        self.optim.zero_grad()
+        ref_losses = _forward_backward(self.ddp_model, inputs, self.loss_fn, self.ddp_no_sync)
+        tally = CommTally()
+        with _counting(tally, self.expected_counts):
+            losses = _forward_backward(self.sharded_model, inputs, self.loss_fn, self.no_sync)
+        slack = 2 * drift * _grad_l1(self.ref_model)  # point 5 of [Note: default tolerances]
+        loss_problems = _loss_problems(
+            losses, ref_losses, self.tolerances, max(step, 1), self.diffs, slack
+        )
+        _agree_and_report(
+            self.test_case,
+            f"check_train_parity, step {step} losses",
+            loss_problems,
+            _dropout_hint(self.ref_model) if step == 0 else "",
+        )
+        self.check_params(f"step {step} after backward", step + 1)
+        if step == 0:
+            _check_gradients_not_vacuous(self.ref_model)
+        self.ref_optim.step()
+        with _counting(tally, self.expected_counts):
+            self.optim.step()
+        if self.expected_counts is not None:
+            _agree_and_report(
+                self.test_case,
+                f"check_train_parity, step {step} collectives",
+                _count_problems(tally, self.expected_counts),
+            )
+        drift = self.check_params(f"step {step} after the optimizer step", step + 1)
+        return drift, sum(_full(loss).item() for loss in losses)
 
 
 @dataclasses.dataclass
