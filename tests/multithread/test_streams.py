@@ -35,6 +35,7 @@ from reffsdp import (
 from reffsdp.bench.cli import parser, resolve, run_config
 from reffsdp.bench.stream_traces import write_stream_traces
 from reffsdp.core import collectives, comms, streams
+from reffsdp.core.param_group import ParamGroup
 from reffsdp.core.runtime import CommContext
 from reffsdp.testing import logical_streams
 from reffsdp.testing.logical_streams import StreamObserver, current_rank, start_trace
@@ -255,6 +256,16 @@ def _undo(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
     monkeypatch.setattr(owner, name, lambda *args, **kwargs: None)
 
 
+def _gather_without_waiting_after_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ParamGroup.unshard`` as if called in the forward's order, even when it is not."""
+    unshard = ParamGroup.unshard
+
+    def unshard_in_order(group: ParamGroup, *, async_op: bool = False, **_: bool) -> None:
+        unshard(group, async_op=async_op)
+
+    monkeypatch.setattr(ParamGroup, "unshard", unshard_in_order)
+
+
 # rule undone -> (how to undo it, the configuration that needs it, the rule reported)
 PLANTS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], Config, int]] = {
     "rule 1 (no wait for the compute stream)": (
@@ -293,6 +304,13 @@ PLANTS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], Config, int]] = {
         lambda mp: _undo(mp, CommContext, "_wait_for_host_copies"),
         CONFIGS["fully_shard/offload"],
         6,
+    ),
+    # The race torch's CUDA sanitizer found on a GPU (a gather for a state-dict load that
+    # read shards the compute stream had just written), found again here on CPU.
+    "rule 1 (a state-dict load's gather does not wait for the compute stream)": (
+        _gather_without_waiting_after_compute,
+        CONFIGS["wrapper/load-state-dict"],
+        1,
     ),
     "rule 5 (the reduce-scatter input dropped at issue)": (
         lambda mp: _undo(mp, collectives, "_held_input"),
