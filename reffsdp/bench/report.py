@@ -74,10 +74,7 @@ def analytic_min_bytes(
 
 def summarize(ranks: list[dict], config: dict[str, Any]) -> dict[str, Any]:
     """Combine every rank's results into one summary per implementation."""
-    world_size = len(ranks)
     meta = ranks[0]["_meta"]
-    param_bytes = 2 if config["mixed_precision"] else 4
-    reshard_after_forward = config["reshard_after_forward"]
     summary: dict[str, Any] = {}
     for name in config["impls"]:
         first = ranks[0][name]
@@ -86,46 +83,10 @@ def summarize(ranks: list[dict], config: dict[str, Any]) -> dict[str, Any]:
         if "skipped" in first:
             entry["skipped"] = first["skipped"]
             continue
-        # A step is as slow as its slowest rank.
-        timed = range(len(first["step_s"]))
-        step_s = [max(rank[name]["step_s"][i] for rank in ranks) for i in timed]
-        entry["step_ms"] = {k: v * 1e3 for k, v in quartiles(step_s).items()}
-        entry["steps_timed"] = len(step_s)
-        # CPU time is work, not waiting on the slowest rank: the mean over the ranks'
-        # processes. None where ranks took none (threads of one process).
-        cpu_median = None
-        if all("cpu_s" in rank[name] for rank in ranks):
-            cpu_s = [statistics.fmean(rank[name]["cpu_s"][i] for rank in ranks) for i in timed]
-            cpu_median = statistics.median(cpu_s) * 1e3
-        entry["cpu_ms"] = {"median": cpu_median}
+        entry.update(_times(name, ranks))
         if meta["memory_measured"]:
-            peaks = [
-                max(rank[name]["peak_above_start"][i] for rank in ranks) for i in range(len(step_s))
-            ]
-            entry["peak_above_step_start_bytes"] = int(statistics.median(peaks))
-            entry["peak_above_step_start_max_bytes"] = max(peaks)
-            entry["kept_between_steps_bytes"] = max(rank[name]["kept"] for rank in ranks)
-            if "reserved_peak" in first:
-                entry["reserved_peak_bytes"] = max(rank[name]["reserved_peak"] for rank in ranks)
-        comm_bytes = first["comm_bytes"]
-        impl_strategy = None if world_size == 1 else strategy(name, reshard_after_forward)
-        if name in ("ddp", "local"):
-            impl_param_bytes = 4
-        else:
-            impl_param_bytes = param_bytes
-        entry["comm"] = {
-            "counts": first["comm_counts"],
-            "bytes": comm_bytes,
-            "collectives_per_step": sum(first["comm_counts"].values()),
-            "sent_bytes_per_rank": sent_per_rank(comm_bytes, world_size),
-            "analytic_min_bytes": analytic_min_bytes(
-                impl_strategy,
-                meta["params"],
-                meta["root_params"],
-                world_size,
-                param_bytes=impl_param_bytes,
-            ),
-        }
+            entry.update(_memory(name, ranks, len(first["step_s"])))
+        entry["comm"] = _comm(name, ranks, config)
     # None (null in the JSON, "-" in the table) when torch's fully_shard was skipped or not run.
     reference = summary.get(TORCH_FULLY_SHARD, {}).get("step_ms", {}).get("median")
     cpu_reference = summary.get(TORCH_FULLY_SHARD, {}).get("cpu_ms", {}).get("median")
@@ -135,6 +96,59 @@ def summarize(ranks: list[dict], config: dict[str, Any]) -> dict[str, Any]:
             cpu = entry["cpu_ms"]
             cpu["ratio_to_torch_fully_shard"] = _ratio(cpu["median"], cpu_reference)
     return summary
+
+
+def _times(name: str, ranks: list[dict]) -> dict[str, Any]:
+    """Step time (a step is as slow as its slowest rank) and CPU time per step."""
+    timed = range(len(ranks[0][name]["step_s"]))
+    step_s = [max(rank[name]["step_s"][i] for rank in ranks) for i in timed]
+    # CPU time is work, not waiting on the slowest rank: the mean over the ranks'
+    # processes. None where ranks took none (threads of one process).
+    cpu_median = None
+    if all("cpu_s" in rank[name] for rank in ranks):
+        cpu_s = [statistics.fmean(rank[name]["cpu_s"][i] for rank in ranks) for i in timed]
+        cpu_median = statistics.median(cpu_s) * 1e3
+    return {
+        "step_ms": {k: v * 1e3 for k, v in quartiles(step_s).items()},
+        "steps_timed": len(step_s),
+        "cpu_ms": {"median": cpu_median},
+    }
+
+
+def _memory(name: str, ranks: list[dict], steps: int) -> dict[str, Any]:
+    """Peak above each step's start (median and largest over steps, largest over ranks)
+    and what stays allocated between steps."""
+    peaks = [max(rank[name]["peak_above_start"][i] for rank in ranks) for i in range(steps)]
+    memory = {
+        "peak_above_step_start_bytes": int(statistics.median(peaks)),
+        "peak_above_step_start_max_bytes": max(peaks),
+        "kept_between_steps_bytes": max(rank[name]["kept"] for rank in ranks),
+    }
+    if "reserved_peak" in ranks[0][name]:
+        memory["reserved_peak_bytes"] = max(rank[name]["reserved_peak"] for rank in ranks)
+    return memory
+
+
+def _comm(name: str, ranks: list[dict], config: dict[str, Any]) -> dict[str, Any]:
+    """Collectives per step, bytes sent, and the least an implementation of its kind sends."""
+    world_size = len(ranks)
+    meta = ranks[0]["_meta"]
+    first = ranks[0][name]
+    comm_bytes = first["comm_bytes"]
+    impl_strategy = None if world_size == 1 else strategy(name, config["reshard_after_forward"])
+    if name in ("ddp", "local") or not config["mixed_precision"]:
+        param_bytes = 4
+    else:
+        param_bytes = 2
+    return {
+        "counts": first["comm_counts"],
+        "bytes": comm_bytes,
+        "collectives_per_step": sum(first["comm_counts"].values()),
+        "sent_bytes_per_rank": sent_per_rank(comm_bytes, world_size),
+        "analytic_min_bytes": analytic_min_bytes(
+            impl_strategy, meta["params"], meta["root_params"], world_size, param_bytes=param_bytes
+        ),
+    }
 
 
 def _ratio(value: float | None, reference: float | None) -> float | None:

@@ -117,7 +117,6 @@ def _padded_numel(model: torch.nn.Module, world_size: int) -> int:
 
 def run_fake_worlds(config: dict[str, Any]) -> dict[str, Any]:
     """In one process: for each fake world size, shard, step, and count bytes and memory."""
-    from reffsdp.testing.comm_counter import CommCounter
     from reffsdp.testing.fake_pg import fake_process_group
 
     workload: Workload = config["workload"]
@@ -154,29 +153,8 @@ def run_fake_worlds(config: dict[str, Any]) -> dict[str, Any]:
         with fake_process_group(world_size, rank=0):
             prime(names, fake, base)
             for name in names:
-                gc.collect()
-                before = probe.current()
-                model = build(name, base, fake)
-                optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-                step = make_step(model, optim, batch, loss_fn)
-                del model, optim  # the step holds them
-                step()
-                step()
-                gc.collect()
-                kept = probe.current() - before
-                start = probe.start_step()
-                step()
-                peak = probe.peak() - start
-                with CommCounter() as counter:
-                    step()
-                comm_bytes = {k.value: v for k, v in counter.get_comm_bytes().items()}
-                row["results"][name] = {
-                    "kept_between_steps_bytes": kept if probe.available else None,
-                    "peak_above_step_start_bytes": peak if probe.available else None,
-                    "sent_bytes_per_rank": sent_per_rank(comm_bytes, world_size),
-                    "comm_bytes": comm_bytes,
-                }
-                del step
+                measured = _measure_fake(name, base, fake, world_size, (batch, loss_fn, probe))
+                row["results"][name] = measured
         rows.append(row)
     return {
         "model": workload.kind,
@@ -187,6 +165,42 @@ def run_fake_worlds(config: dict[str, Any]) -> dict[str, Any]:
         "strategy": fake_strategy,
         "rows": rows,
         "skipped": {name: reason for name, reason in skipped.items() if reason is not None},
+    }
+
+
+def _measure_fake(
+    name: str,
+    base: torch.nn.Module,
+    fake: Options,
+    world_size: int,
+    workload: tuple[Any, Any, MemoryProbe],
+) -> dict[str, Any]:
+    """Memory kept and peak, and bytes sent, of rank 0 stepping ``name`` in the fake world
+    of ``world_size`` entered (two warm-up steps first); ``workload``: batch, loss, probe."""
+    batch, loss_fn, probe = workload
+    from reffsdp.testing.comm_counter import CommCounter
+
+    gc.collect()
+    before = probe.current()
+    model = build(name, base, fake)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = make_step(model, optim, batch, loss_fn)
+    del model, optim  # the step holds them
+    step()
+    step()
+    gc.collect()
+    kept = probe.current() - before
+    start = probe.start_step()
+    step()
+    peak = probe.peak() - start
+    with CommCounter() as counter:
+        step()
+    comm_bytes = {k.value: v for k, v in counter.get_comm_bytes().items()}
+    return {
+        "kept_between_steps_bytes": kept if probe.available else None,
+        "peak_above_step_start_bytes": peak if probe.available else None,
+        "sent_bytes_per_rank": sent_per_rank(comm_bytes, world_size),
+        "comm_bytes": comm_bytes,
     }
 
 
