@@ -91,11 +91,15 @@ class RankTrace:
 class CollectiveRecorder:
     """The rank-process side: numbers this rank's collectives and keeps its file current."""
 
-    def __init__(self, path: str) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    def __init__(self, path: str | None) -> None:
+        """``path``: the file kept current (``None``: only :attr:`last` is kept)."""
+        self._fd = (
+            None if path is None else os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        )
         self._counts: dict[str, int] = {}
         self._ranks: dict[str, list[int]] = {}
         self.closing = False  # set by the harness before its last barrier
+        self.last: Issued | None = None  # the latest collective this rank issued
 
     def install(self) -> None:
         """Record every collective method call of every group of this process.
@@ -124,6 +128,9 @@ class CollectiveRecorder:
                 self._ranks[name] = []
         seq = self._counts.get(name, 0)
         self._counts[name] = seq + 1
+        self.last = Issued(op, name, tuple(self._ranks[name]), seq, self.closing)
+        if self._fd is None:
+            return
         last = {"op": op, "group": name, "ranks": self._ranks[name], "seq": seq}
         line = json.dumps({"last": last, "closing": self.closing, "counts": self._counts})
         os.pwrite(self._fd, line.encode() + b"\n", 0)

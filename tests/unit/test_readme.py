@@ -5,6 +5,7 @@ the commands print today."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -64,3 +65,11 @@ def test_the_reading_order_starts_at_the_naive_page():
     files = re.findall(r"`([\w/]+\.py)`", section)
     assert files[0] == "reffsdp/naive.py" and (ROOT / files[0]).is_file()
     assert files.index("core/sharding.py") < files.index("per_param/fully_shard.py")
+
+
+def test_every_field_of_a_run_in_the_json_report_is_documented():
+    from reffsdp.testing.report import RunInfo
+
+    section = PARITY_DOC.read_text().split("## `--json FILE`")[1].split("\n## ")[0]
+    for field in dataclasses.fields(RunInfo):
+        assert f"`{field.name}`" in section, field.name
