@@ -44,8 +44,9 @@ harness):
   every model without this package's wrappers. Building a wrapper leaves DCP's module as
   it was.
 
-Besides these, the first ``fully_shard`` call and the first wrapper built replace their own
-classes' hook methods with dynamo-disabled versions, once (``core/compile_support.py``).
+Besides these, the first ``fully_shard`` call or wrapper built replaces the hook methods of
+the core's iteration driver (``core/driver.py``) with dynamo-disabled versions, once, and the
+first wrapper built those of its own class (``core/compile_support.py``).
 Every private torch API reffsdp calls is in ``core/torch_internals.py`` (overrides of
 private methods in subclasses aside: see [Note: private torch APIs] there).
 """

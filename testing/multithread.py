@@ -55,10 +55,11 @@ until each ended rank thread is gone from the OS as well, and nothing of a run o
 Ctrl-C raises ``KeyboardInterrupt`` in the main thread, usually while :func:`run_threaded`
 starts or waits for the ranks. Leaving then would leave the rank threads running into
 interpreter shutdown, which aborts the process (``terminate called without an active
-exception``). So an interrupted run stops the ranks it started as a run past its deadline
-does (see [Note: stopping a
-rank thread]), waits until they are gone from the OS (see [Note: a rank thread ends
-twice]), and only then lets the ``KeyboardInterrupt`` go on, without a report of the ranks.
+exception``). So an interrupted run stops the ranks it started (a thread whose ``start()``
+the interrupt cut short included: it begins anyway) as a run past its deadline does (see
+[Note: stopping a rank thread]), waits until they are gone from the OS (see [Note: a rank
+thread ends twice]), and only then lets the ``KeyboardInterrupt`` go on, without a report
+of the ranks.
 """
 
 from __future__ import annotations
@@ -179,8 +180,10 @@ def run_threaded(fn: Callable[[int], None], world_size: int, *, timeout_s: float
             threading.Thread(target=rank_main, args=(rank,), name=f"rank{rank}", daemon=True)
             for rank in range(world_size)
         ]
+        launched: list[threading.Thread] = []  # start() called: index = rank
         try:
             for thread in threads:
+                launched.append(thread)
                 thread.start()
             stuck = _join_until(threads, time.monotonic() + timeout_s)
             stacks = {rank: _stack_of(threads[rank]) for rank in stuck}
@@ -192,7 +195,7 @@ def run_threaded(fn: Callable[[int], None], world_size: int, *, timeout_s: float
         except KeyboardInterrupt:  # see [Note: an interrupted run]
             job.abort("the run was interrupted")
             stop.set()
-            started = [thread for thread in threads if thread.ident is not None]  # index = rank
+            started = _until_running(launched, time.monotonic() + _STOP_S)
             _end_late_ranks(started, in_test)
             _wait_until_gone_from_the_os(started, time.monotonic() + _STOP_S)
             raise
@@ -204,6 +207,22 @@ def _join_until(threads: list[threading.Thread], deadline: float) -> list[int]:
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     return [index for index, thread in enumerate(threads) if thread.is_alive()]
+
+
+def _until_running(threads: list[threading.Thread], deadline: float) -> list[threading.Thread]:
+    """``threads``, each of which ``start()`` was called for, once each runs (has an ident).
+
+    ``Thread.start`` returns only after the new thread has begun, but an interrupt can end
+    it sooner: that thread then still begins, later, and must be stopped and waited for
+    like the others (see [Note: an interrupted run]). One that has not begun by
+    ``deadline`` is left out, and the list ends before it.
+    """
+    for index, thread in enumerate(threads):
+        while thread.ident is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if thread.ident is None:
+            return threads[:index]
+    return threads
 
 
 def _wait_until_gone_from_the_os(threads: list[threading.Thread], deadline: float) -> None:

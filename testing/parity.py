@@ -843,12 +843,13 @@ def unflattened_params(
     ``prefixes_to_ignore`` are removed. Parameters the wrapper does not flatten (ignored
     ones) are taken as they are. Every rank must call this together.
     """
-    from reffsdp import FlatParameter, FullyShardedDataParallel
+    from reffsdp import FlatParameter
+    from reffsdp.wrapper.state import state_of
 
     instances = [
-        (path, module)
+        (path, state)
         for path, module in model.named_modules()
-        if isinstance(module, FullyShardedDataParallel)
+        if (state := state_of(module)) is not None
     ]
     if not instances:
         return None
@@ -856,12 +857,12 @@ def unflattened_params(
     entries: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
     flattened: set[int] = set()
     for path, instance in instances:
-        handle = instance._handle
+        handle = instance.handle
         if handle is None:
             continue
         flattened.update(id(p) for p in handle.orig_params)
         prefix = f"{path}.{_WRAPPED_MODULE}" if path else _WRAPPED_MODULE
-        group = instance._mesh_info.shard_group
+        group = instance.mesh_info.shard_group
         for fqn, param, grad in _unflatten_handle(handle, group):
             entries[_strip_prefixes(prefix + fqn, prefixes)] = (param, grad)
     for name, param in model.named_parameters():

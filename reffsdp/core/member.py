@@ -21,13 +21,21 @@ Sizes a member reports are element counts in the member's compute dtype:
 Two ranks, a member with a ``(3, 2)`` weight: ``shard_numel = 4`` (two rows, rank 1's
 second row is padding), the all-gather output has 8 elements, and the gradient ``(3, 2)``
 is padded to ``(4, 2)`` and cut into two chunks of 4 elements.
+
+Both kinds keep their shard as one padded 1-D tensor, gather into one 1-D buffer and keep
+a gradient across backwards while gradient sync is off: :class:`PaddedShardMember` does
+those alike for both, so only what differs (where the shard and the unsharded form live,
+how a gradient is read) is written twice.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
+
+from .streams import backend_for
 
 
 class GroupMember(Protocol):
@@ -96,7 +104,10 @@ class GroupMember(Protocol):
     # -- what the module sees -----------------------------------------------------------
 
     def to_unsharded(self) -> None:
-        """Make the module compute with the unsharded form."""
+        """Make the module compute with the unsharded form: after each all-gather, and
+        once per forward (and per recompute in backward) even when the group stayed
+        unsharded since the last, so a member that shows views autograd records (a flat
+        parameter's) makes fresh ones for each forward's graph."""
         ...
 
     def to_sharded(self) -> None:
@@ -109,6 +120,13 @@ class GroupMember(Protocol):
 
     def post_forward_all_gather_input(self) -> torch.Tensor:
         """The block kept by ``to_sharded_post_forward``, as the next all-gather's input."""
+        ...
+
+    def in_orig_dtype(self) -> AbstractContextManager[None]:
+        """For the duration, gather and compute in the original dtype (``param_dtype``
+        ``None``) with unsharded buffers of its own; the compute-dtype ones, which tensors
+        saved for a pending backward may alias, are set aside and come back on exit
+        (``ParamGroup.unsharded_in_full_precision``)."""
         ...
 
     # -- gradients ----------------------------------------------------------------------
@@ -168,3 +186,85 @@ def with_storage(
     if storage.size() != nbytes:
         storage.resize_(nbytes)
     return buffer
+
+
+class PaddedShardMember(GroupMember):
+    """The all-gather input and output, and the gradient kept while sync is off, of a
+    member whose shard is one padded 1-D tensor (both kinds of member).
+
+    A subclass sets ``device`` (the compute device), ``offload``, ``gathered`` (``None``
+    until the first all-gather) and ``unsharded_accumulated_grad`` (``None``), and answers
+    the four methods below that raise here.
+    """
+
+    device: torch.device
+    offload: bool  # the shard lives on the host (CPU offload): copied in for each all-gather
+    gathered: torch.Tensor | None  # 1-D, world_size * shard_numel, compute dtype
+    unsharded_accumulated_grad: torch.Tensor | None  # kept while gradient sync is off
+
+    def _padded_shard(self) -> torch.Tensor:
+        """This rank's padded shard, 1-D, in the original dtype (on the host if offloaded)."""
+        raise NotImplementedError
+
+    @property
+    def _gathered_numel(self) -> int:
+        """Elements of the all-gather output: ``world_size * shard_numel``."""
+        raise NotImplementedError
+
+    def _forget_unsharded(self) -> None:
+        """Drop the unsharded form built on ``gathered``: a new buffer replaces it."""
+        raise NotImplementedError
+
+    def _pop_unsharded_grad(self) -> torch.Tensor | None:
+        """Take this backward's gradient off the unsharded form (``None`` if it has none)."""
+        raise NotImplementedError
+
+    # -- all-gather ---------------------------------------------------------------------
+
+    def all_gather_input(self) -> torch.Tensor:
+        """The padded shard on the compute device (a non-blocking copy from the host under
+        CPU offload), cast to the compute dtype."""
+        shard = self._padded_shard()
+        if shard.device.type == "meta":
+            raise RuntimeError(
+                f"parameter {self.fqn} is still on the meta device at its first all-gather; "
+                "materialize it first (e.g. module.to_empty(device=...) then "
+                "reset_parameters())"
+            )
+        if self.offload or shard.device != self.device:
+            shard = backend_for(self.device).to_device(shard, self.device, non_blocking=True)
+        return shard.to(self.compute_dtype)
+
+    def all_gather_output(self) -> torch.Tensor:
+        """``gathered`` with storage to receive an all-gather (as an untracked alias); a new
+        buffer when the compute dtype changed, and then the unsharded form is rebuilt."""
+        if self.gathered is None or self.gathered.dtype != self.compute_dtype:
+            self._forget_unsharded()
+        self.gathered = with_storage(
+            self.gathered, self._gathered_numel, self.compute_dtype, self.device
+        )
+        return self.gathered.data
+
+    # -- gradients kept while sync is off -----------------------------------------------
+
+    def keep_unsharded_grad(self) -> None:
+        """Gradient sync is off: add this backward's gradient to the kept one (made in the
+        reduce dtype, else the gradient's own, at the first)."""
+        grad = self._pop_unsharded_grad()
+        if grad is None:
+            return
+        if self.unsharded_accumulated_grad is None:
+            dtype = self.reduce_dtype or grad.dtype
+            self.unsharded_accumulated_grad = grad.to(dtype, copy=True)
+        else:
+            self.unsharded_accumulated_grad += grad
+
+    def _take_unsharded_grad(self) -> torch.Tensor | None:
+        """Pop this backward's gradient plus any kept while sync was off (``None``: neither)."""
+        grad = self._pop_unsharded_grad()
+        kept, self.unsharded_accumulated_grad = self.unsharded_accumulated_grad, None
+        if kept is None:
+            return grad
+        if grad is not None:
+            kept += grad
+        return kept

@@ -20,9 +20,10 @@ first. Each member casts its reduced chunk back to its original dtype.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,14 +211,31 @@ class ParamGroup:
         """Finish a started all-gather and show the unsharded parameters."""
         if self._all_gather is None:
             return
+        self._finish_all_gather()
+        self._show_unsharded()
+
+    def unshard_and_show(self, *, after_compute: bool = False) -> None:
+        """Unshard (unless unsharded), wait, and show the unsharded parameters once, whether
+        or not this call gathered: what the module computes with now, in a forward or its
+        recompute in backward. A member whose views autograd records makes fresh ones here
+        (see ``to_unsharded`` in [Note: group members]). ``after_compute`` as for
+        :meth:`unshard`."""
+        self.unshard(after_compute=after_compute)
+        if self._all_gather is not None:
+            self._finish_all_gather()
+        self._show_unsharded()
+
+    def _finish_all_gather(self) -> None:
+        assert self._all_gather is not None and self.comm_ctx is not None
         result, self._all_gather = self._all_gather, None
         collectives.foreach_all_gather_copy_out(result, self.members)
-        assert self.comm_ctx is not None
         if not result.in_place:  # a member's own buffer stays with the member
             self.comm_ctx.all_gather_stream(self.device).consumed(result.output)
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def _show_unsharded(self) -> None:
         for member in self.members:
             member.to_unsharded()
-        self.sharded_state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
         """Show the sharded parameters and free the unsharded storage."""
@@ -237,6 +255,42 @@ class ParamGroup:
             member.to_sharded_post_forward(info.shard_rank, info.shard_size)
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
+    @contextlib.contextmanager
+    def unsharded_in_full_precision(self) -> Iterator[None]:
+        """Show the parameters unsharded in their original dtype for the duration, then
+        reshard: the full values a user or a state dict reads and writes outside forward
+        and backward (the wrapper's ``summon_full_params`` and full state dicts).
+
+        A member that computes in a lower ``param_dtype`` gathers in its original dtype
+        into buffers of its own (``GroupMember.in_orig_dtype``): its compute-dtype buffers,
+        which tensors saved for a pending backward may alias, are set aside, and on exit
+        they come back, still unsharded if they were. A group already unsharded in full
+        precision (kept since forward) is shown as it is and stays unsharded. Call it with
+        the group idle.
+        """
+        self.lazy_init()
+        lower = [member for member in self.members if member.param_dtype is not None]
+        if self.is_unsharded and not lower:
+            yield
+            return
+        was_unsharded = self.is_unsharded
+        if was_unsharded:  # the compute-dtype buffers stay allocated, set aside below
+            self.sharded_state = ShardedState.SHARDED
+        else:
+            self.reshard()  # drops a compute-dtype prefetch nobody waited for
+        try:
+            with contextlib.ExitStack() as set_aside:
+                for member in lower:
+                    set_aside.enter_context(member.in_orig_dtype())
+                try:
+                    self.unshard_and_show(after_compute=True)
+                    yield
+                finally:
+                    self.reshard()  # frees the full-precision buffers
+        finally:
+            if was_unsharded:
+                self.sharded_state = ShardedState.UNSHARDED
+
     def _drop_unconsumed_all_gather(self) -> None:
         if self._all_gather is not None:  # a prefetch nobody waited for
             self._all_gather.wait()
@@ -246,8 +300,7 @@ class ParamGroup:
 
     def pre_forward(self) -> None:
         self._transition(TrainingState.FORWARD)
-        self.unshard()
-        self.wait_for_unshard()
+        self.unshard_and_show()
 
     def post_forward(self, *, backward_follows: bool = True) -> None:
         """Reshard per the settings; without a backward to come, always fully."""

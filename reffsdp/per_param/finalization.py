@@ -9,11 +9,11 @@ caller ends it instead, by calling ``finalize_backward()`` once the step's backw
 are done (e.g. a pipeline schedule in which reducing gradients is an action of its own):
 
 1. The mode in force is latched when a backward starts (when the final callback is
-   queued: ``FSDPState._pre_backward``) and stays until the iteration is finalized or
-   reset.
+   queued, in the core driver's pre-backward: see [Note: hook order] in
+   ``reffsdp/core/driver.py``) and stays until the iteration is finalized or reset.
 2. Post-backward hooks reduce as usual. The final callback reduces nothing: a group that
    backward entered but never left (its inputs needed no gradient) keeps its gradients,
-   unsharded, and is marked pending (``FSDPState._final_callback``).
+   unsharded, and is marked pending (the driver's final callback).
 3. ``finalize_backward()`` runs each pending group's post-backward (last group first, as
    backward would) under the settings of that moment, reshards the others as
    ``reshard_after_backward`` says, then waits for every reduction and ends the iteration.
@@ -23,28 +23,16 @@ are done (e.g. a pipeline schedule in which reducing gradients is an action of i
    ``wait()``, no root sharing the communication context may run forward or finalize;
    ``reset_iter_state()`` on the owning root drops the wait, and ``wait()`` then raises.
 
-The state the mode needs lives on the root's ``StateContext`` (the mode asked for, the mode
-latched, an asynchronous finalization not yet waited for) and, for rule 4 across roots, on
-the shared ``RootCommContext``.
+The state the mode needs lives on the root's ``StateContext`` (the mode asked for and the
+mode latched, which the core driver reads, and an asynchronous finalization not yet waited
+for) and, for rule 4 across roots, on the shared ``RootCommContext``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from ..core.autograd_hooks import in_backward
 from ..core.param_group import ParamGroup
-
-if TYPE_CHECKING:
-    from .state import FSDPState, StateContext
-
-
-@dataclass(eq=False)
-class AsyncFinalization:
-    """One ``finalize_backward(async_op=True)`` whose handle has not waited yet."""
-
-    owner: StateContext  # the context of the root that finalized
+from .state import AsyncFinalization, FSDPState
 
 
 def set_mode(state: FSDPState, enabled: bool) -> None:

@@ -19,8 +19,7 @@ from ..core import comms
 from ..core.param_group import ParamGroup
 from ..core.runtime import CommContext
 from . import finalization
-from .finalization import AsyncFinalization
-from .state import FSDPState, state_of
+from .state import AsyncFinalization, FSDPState, state_of
 
 
 class UnshardHandle:

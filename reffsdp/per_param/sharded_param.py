@@ -33,7 +33,9 @@ re-gathering in backward does not make autograd reject tensors it saved in forwa
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core import torch_internals
 from ..core.compat import fully_shard_default_reduce_dtype
-from ..core.member import GroupMember, resolve_dtypes, with_storage
+from ..core.member import PaddedShardMember, resolve_dtypes
 from ..core.mesh import MeshInfo
 from ..core.sharding import ShardLayout, contiguous_strides, shard_tensor, unshard_from_gathered
 from ..core.streams import backend_for
@@ -86,7 +88,7 @@ def _original_uid(param: nn.Parameter) -> int:
     return uid
 
 
-class ShardedParam(GroupMember):
+class ShardedParam(PaddedShardMember):
     """Shards one parameter over ``mesh_info`` and swaps it between its two forms."""
 
     def __init__(
@@ -369,28 +371,17 @@ class ShardedParam(GroupMember):
         """``'blocks.0.in_proj.weight' (Linear)``: the name and the owning module's class."""
         return f"{self.fqn!r} ({type(self.refs[0].module).__name__})"
 
-    # -- all-gather input and output ----------------------------------------------------
+    # -- all-gather input and output (see PaddedShardMember) -----------------------------
 
-    def all_gather_input(self) -> torch.Tensor:
-        """This rank's contribution to the all-gather: the padded shard, in compute dtype."""
-        if self.padded_shard.device.type == "meta":
-            raise RuntimeError(
-                f"parameter {self.fqn} is still on the meta device at its first all-gather; "
-                "materialize it first (e.g. module.to_empty(device=...) then "
-                "reset_parameters())"
-            )
-        shard = self.padded_shard
-        if self.offload or shard.device != self.device:
-            shard = backend_for(self.device).to_device(shard, self.device, non_blocking=True)
-        return shard.to(self.compute_dtype)
+    def _padded_shard(self) -> torch.Tensor:
+        return self.padded_shard
 
-    def all_gather_output(self) -> torch.Tensor:
-        """``gathered`` with storage to receive an all-gather (as an untracked alias)."""
-        numel = self.layout.world_size * self.layout.padded_shard_numel
-        if self.gathered is None or self.gathered.dtype != self.compute_dtype:
-            self.unsharded_param = None  # a new buffer: the unsharded views are rebuilt
-        self.gathered = with_storage(self.gathered, numel, self.compute_dtype, self.device)
-        return self.gathered.data
+    @property
+    def _gathered_numel(self) -> int:
+        return self.layout.world_size * self.layout.padded_shard_numel
+
+    def _forget_unsharded(self) -> None:
+        self.unsharded_param = None
 
     def keep_post_forward_shard(self, rank: int, world_size: int) -> None:
         """Keep this rank's ``1/world_size`` of ``gathered`` for a cheaper backward all-gather.
@@ -439,6 +430,15 @@ class ShardedParam(GroupMember):
         for tensor in (self.gathered, self._unsharded_data):
             if tensor is not None:
                 tensor.untyped_storage().resize_(0)
+
+    @contextlib.contextmanager
+    def in_orig_dtype(self) -> Iterator[None]:
+        aside = (self.gathered, self.unsharded_param, self._unsharded_data, self.param_dtype)
+        self.gathered = self.unsharded_param = self._unsharded_data = self.param_dtype = None
+        try:
+            yield
+        finally:
+            self.gathered, self.unsharded_param, self._unsharded_data, self.param_dtype = aside
 
     # -- registration -------------------------------------------------------------------
 
@@ -491,30 +491,12 @@ class ShardedParam(GroupMember):
             world_size * self.layout.padded_shard_size[0], -1
         )
 
-    def _take_unsharded_grad(self) -> torch.Tensor | None:
-        """Pop this iteration's unsharded gradient (plus any accumulated with sync off)."""
-        grad = None
-        if self.unsharded_param is not None and self.unsharded_param.grad is not None:
-            grad = self._local_unsharded_grad()
-            self.unsharded_param.grad = None
-        if self.unsharded_accumulated_grad is not None:
-            if grad is not None:
-                self.unsharded_accumulated_grad += grad
-            grad = self.unsharded_accumulated_grad
-            self.unsharded_accumulated_grad = None
-        return grad
-
-    def keep_unsharded_grad(self) -> None:
-        """With gradient sync off: keep this backward's gradient for a later synced one."""
+    def _pop_unsharded_grad(self) -> torch.Tensor | None:
         if self.unsharded_param is None or self.unsharded_param.grad is None:
-            return
+            return None
         grad = self._local_unsharded_grad()
         self.unsharded_param.grad = None
-        dtype = self.reduce_dtype or grad.dtype
-        if self.unsharded_accumulated_grad is None:
-            self.unsharded_accumulated_grad = grad.to(dtype, copy=True)
-        else:
-            self.unsharded_accumulated_grad += grad
+        return grad
 
     def _local_unsharded_grad(self) -> torch.Tensor:
         """The unsharded gradient as a plain tensor: for TP, in the parameter's own layout.

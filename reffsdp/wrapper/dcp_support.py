@@ -38,16 +38,16 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.nn as nn
 
 from .. import api
 from ..api import ShardingStrategy
 from ..core import torch_internals
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
+from . import state_dict
+from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .state import state_of
 
 _lock = threading.Lock()
 _entered = 0  # calls inside stand_ins() now, every thread together
@@ -106,10 +106,10 @@ class _StandInMeta(type):
     original: type
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, (cls.original, _ours()))
+        return isinstance(obj, (cls.original, FullyShardedDataParallel))
 
     def __subclasscheck__(cls, sub: type) -> bool:
-        return issubclass(sub, (cls.original, _ours()))
+        return issubclass(sub, (cls.original, FullyShardedDataParallel))
 
     def __getattr__(cls, name: str) -> Any:
         return getattr(cls.original, name)
@@ -119,10 +119,8 @@ def _stand_in(original: type) -> type:
     """A class standing in for torch's wrapper class in DCP's module."""
 
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[nn.Module]:
-        ours = _our_instances(module, original)
-        if ours:
-            return _ours().fsdp_modules(module, root_only)
-        return original.fsdp_modules(module, root_only)
+        wrapper_cls = FullyShardedDataParallel if _our_instances(module, original) else original
+        return wrapper_cls.fsdp_modules(module, root_only)
 
     @contextlib.contextmanager
     def state_dict_type(
@@ -137,8 +135,6 @@ def _stand_in(original: type) -> type:
             ):
                 yield
             return
-        from . import state_dict
-
         with state_dict.state_dict_type(
             module,
             api.StateDictType[state_dict_type.name],
@@ -152,7 +148,9 @@ def _stand_in(original: type) -> type:
         ours = _our_instances(model, original)
         if not ours:
             return original.optim_state_dict(model, optim, optim_state_dict, group=group)
-        return _ours().optim_state_dict(model, optim, optim_state_dict, group=_group(ours, group))
+        return FullyShardedDataParallel.optim_state_dict(
+            model, optim, optim_state_dict, group=_group(ours, group)
+        )
 
     def optim_state_dict_to_load(
         model, optim, optim_state_dict, is_named_optimizer=False, load_directly=False,
@@ -163,7 +161,7 @@ def _stand_in(original: type) -> type:
             return original.optim_state_dict_to_load(
                 model, optim, optim_state_dict, is_named_optimizer, load_directly, group
             )
-        return _ours().optim_state_dict_to_load(
+        return FullyShardedDataParallel.optim_state_dict_to_load(
             model, optim, optim_state_dict, is_named_optimizer, load_directly, _group(ours, group)
         )
 
@@ -183,9 +181,10 @@ def _state_getter(original: Callable[[nn.Module], Any]) -> Callable[[nn.Module],
     initialized first so that ``_is_root`` is known (DCP asks it for outermost ones first)."""
 
     def get_state(module: nn.Module) -> Any:
-        if not isinstance(module, _ours()):
+        state = state_of(module)
+        if state is None:
             return original(module)
-        module._lazy_init()
+        state.lazy_init()
         return module
 
     return get_state
@@ -194,15 +193,9 @@ def _state_getter(original: Callable[[nn.Module], Any]) -> Callable[[nn.Module],
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _ours() -> type[FullyShardedDataParallel]:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-    return FullyShardedDataParallel
-
-
 def _our_instances(module: nn.Module, original: type) -> list[FullyShardedDataParallel]:
     """This package's wrappers under ``module``; an error if torch's are there too."""
-    ours = _ours().fsdp_modules(module)
+    ours = FullyShardedDataParallel.fsdp_modules(module)
     if ours and any(isinstance(m, original) for m in module.modules()):
         raise ValueError(
             f"{type(module).__name__} holds both torch's FullyShardedDataParallel and "

@@ -70,14 +70,15 @@ constructor (``device_id``, ``CPUOffload``): a move to another device is refused
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from ..core.member import GroupMember, resolve_dtypes, with_storage
+from ..core.member import PaddedShardMember, resolve_dtypes
 from ..core.streams import backend_for
 from ..core.torch_internals import CHECKPOINT_WRAPPED_MODULE, registered_parameters
 from .flat_layout import FlatLayout, RankShard, flat_layout
@@ -138,7 +139,7 @@ def _set_tensor(
         module.__dict__[name] = tensor
 
 
-class FlatParamHandle(GroupMember):
+class FlatParamHandle(PaddedShardMember):
     """A :class:`~reffsdp.core.member.GroupMember` made of many parameters."""
 
     def __init__(
@@ -377,20 +378,17 @@ class FlatParamHandle(GroupMember):
                 _assign_grad(param, fn(grad))
         self.show_sharded()
 
-    # -- all-gather ---------------------------------------------------------------------
+    # -- all-gather (see PaddedShardMember) ----------------------------------------------
 
-    def all_gather_input(self) -> torch.Tensor:
-        shard = self.local_shard
-        if self.offload or shard.device != self.device:
-            shard = backend_for(self.device).to_device(shard, self.device, non_blocking=True)
-        return shard.to(self.compute_dtype)
+    def _padded_shard(self) -> torch.Tensor:
+        return self.local_shard
 
-    def all_gather_output(self) -> torch.Tensor:
-        numel = self.layout.padded_numel
-        if self.gathered is None or self.gathered.dtype != self.compute_dtype:
-            self.unsharded = None  # a new buffer: the unsharded views are rebuilt
-        self.gathered = with_storage(self.gathered, numel, self.compute_dtype, self.device)
-        return self.gathered.data
+    @property
+    def _gathered_numel(self) -> int:
+        return self.layout.padded_numel
+
+    def _forget_unsharded(self) -> None:
+        self.unsharded = None
 
     def finish_unshard(self) -> None:
         if self.unsharded is None or self.unsharded.requires_grad != self.requires_grad:
@@ -458,6 +456,15 @@ class FlatParamHandle(GroupMember):
         if self.gathered is not None and self.gathered.untyped_storage().size() > 0:
             self.gathered.untyped_storage().resize_(0)
 
+    @contextlib.contextmanager
+    def in_orig_dtype(self) -> Iterator[None]:
+        aside = (self.gathered, self.unsharded, self.param_dtype)
+        self.gathered = self.unsharded = self.param_dtype = None
+        try:
+            yield
+        finally:
+            self.gathered, self.unsharded, self.param_dtype = aside
+
     def to_sharded_post_forward(self, rank: int, world_size: int) -> None:
         raise NotImplementedError("the wrapper API reshards after forward fully or not at all")
 
@@ -474,11 +481,7 @@ class FlatParamHandle(GroupMember):
 
     def take_grad_for_reduce(self, zeros_if_unused: bool) -> torch.Tensor | None:
         self._hide_kept_grad()
-        grad = self._pop_unsharded_grad()
-        if self.unsharded_accumulated_grad is not None:
-            if grad is not None:
-                self.unsharded_accumulated_grad += grad
-            grad, self.unsharded_accumulated_grad = self.unsharded_accumulated_grad, None
+        grad = self._take_unsharded_grad()
         if grad is None and zeros_if_unused:
             numel, dtype = self.layout.total_numel, self.compute_dtype
             grad = torch.zeros(numel, dtype=dtype, device=self.device)
@@ -488,13 +491,7 @@ class FlatParamHandle(GroupMember):
 
     def keep_unsharded_grad(self) -> None:
         self._hide_kept_grad()
-        grad = self._pop_unsharded_grad()
-        if grad is not None:
-            dtype = self.reduce_dtype or grad.dtype
-            if self.unsharded_accumulated_grad is None:
-                self.unsharded_accumulated_grad = grad.to(dtype, copy=True)
-            else:
-                self.unsharded_accumulated_grad += grad
+        super().keep_unsharded_grad()
         self._show_kept_grad()
 
     def _show_kept_grad(self) -> None:

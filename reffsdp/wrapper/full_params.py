@@ -41,7 +41,7 @@ import functools
 import math
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,25 +49,19 @@ import torch.nn as nn
 
 from ..api import ShardingStrategy
 from ..core import comms
-from ..core.states import ShardedState, TrainingState
+from ..core.states import TrainingState
 from ..core.torch_internals import registered_parameters
 from .flat_param import FlatParamHandle, _assign_grad, _set_tensor
+from .state import FLAT_PARAM, WRAPPED_MODULE, WrapperState, state_of, states_under
 
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-WRAPPER_PREFIX = "_fsdp_wrapped_module."
+WRAPPER_PREFIX = f"{WRAPPED_MODULE}."
 
 
-def _name(instance: FullyShardedDataParallel) -> str:
-    return f"FullyShardedDataParallel({type(instance.module).__name__})"
+def _uses_sharded_strategy(instance: WrapperState) -> bool:
+    return instance.strategy is not ShardingStrategy.NO_SHARD
 
 
-def _uses_sharded_strategy(instance: FullyShardedDataParallel) -> bool:
-    return instance.sharding_strategy is not ShardingStrategy.NO_SHARD
-
-
-def _rank_in_group(instance: FullyShardedDataParallel) -> int:
+def _rank_in_group(instance: WrapperState) -> int:
     group = instance.process_group
     return dist.get_rank(group) if group is not None else 0
 
@@ -76,10 +70,10 @@ def _rank_in_group(instance: FullyShardedDataParallel) -> int:
 
 
 def clean_names(
-    instance: FullyShardedDataParallel, named: Iterable[tuple[str, Any]]
+    instance: WrapperState, named: Iterable[tuple[str, Any]]
 ) -> Iterator[tuple[str, Any]]:
     """Names without the wrapper prefix while ``instance`` is summoned (torch's rule)."""
-    strip = instance._summoning
+    strip = instance.summoning
     for name, value in named:
         yield (name.replace(WRAPPER_PREFIX, "") if strip else name), value
 
@@ -94,12 +88,10 @@ def summon_full_params(
     offload_to_cpu: bool,
     with_grads: bool,
 ) -> Iterator[None]:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
     if recurse:
-        instances = FullyShardedDataParallel.fsdp_modules(module)
+        instances = states_under(module)
     else:
-        instances = [module] if isinstance(module, FullyShardedDataParallel) else []
+        instances = [state] if (state := state_of(module)) is not None else []
     options = dict(
         writeback=writeback,
         rank0_only=rank0_only,
@@ -113,7 +105,7 @@ def summon_full_params(
 
 
 def _check_options(
-    instance: FullyShardedDataParallel,
+    instance: WrapperState,
     *,
     writeback: bool,
     rank0_only: bool,
@@ -121,16 +113,17 @@ def _check_options(
     with_grads: bool,
 ) -> None:
     """torch's rules for the option combinations it does not support."""
-    if with_grads and (offload_to_cpu or not instance._use_orig_params):
+    use_orig_params = instance.settings.use_orig_params
+    if with_grads and (offload_to_cpu or not use_orig_params):
         raise NotImplementedError(
             f"summon_full_params(with_grads=True) needs use_orig_params=True and "
-            f"offload_to_cpu=False; got use_orig_params={instance._use_orig_params}, "
-            f"offload_to_cpu={offload_to_cpu} on {_name(instance)}"
+            f"offload_to_cpu=False; got use_orig_params={use_orig_params}, "
+            f"offload_to_cpu={offload_to_cpu} on {instance}"
         )
-    if offload_to_cpu and instance._handle is not None and not _uses_sharded_strategy(instance):
+    if offload_to_cpu and instance.handle is not None and not _uses_sharded_strategy(instance):
         raise NotImplementedError(
             f"summon_full_params(offload_to_cpu=True) is not supported for NO_SHARD "
-            f"({_name(instance)}); its full parameters are already local"
+            f"({instance}); its full parameters are already local"
         )
     if writeback and rank0_only:
         raise NotImplementedError(
@@ -146,109 +139,95 @@ def _check_options(
         )
 
 
-def _busy_state(instance: FullyShardedDataParallel) -> str | None:
+def _busy_state(instance: WrapperState) -> str | None:
     """What keeps ``instance`` from unsharding by hand now, by name, or ``None``."""
-    group = instance._group
-    if instance._summoning:
+    group = instance.group
+    if instance.summoning:
         return "SUMMON_FULL_PARAMS"
     if instance.training_state is not TrainingState.IDLE:
         return instance.training_state.name
     if group is not None and group.training_state is not TrainingState.IDLE:
         return group.training_state.name
-    if instance._root_ctx.final_callback_queued:
+    if instance.ctx.final_callback_queued:
         return "BACKWARD"
     return None
 
 
-def _check_idle(instance: FullyShardedDataParallel) -> None:
+def _check_idle(instance: WrapperState) -> None:
     state = _busy_state(instance)
     if state == "SUMMON_FULL_PARAMS":
         raise AssertionError(
             f"Cannot manually unshard parameters when already unsharding parameters: "
-            f"{_name(instance)} is already inside summon_full_params"
+            f"{instance} is already inside summon_full_params"
         )
     if state is not None:
         raise AssertionError(
-            f"Cannot manually unshard parameters during forward/backward: {_name(instance)} "
+            f"Cannot manually unshard parameters during forward/backward: {instance} "
             f"is in training state {state}; call summon_full_params outside forward and "
             "backward"
         )
 
 
 @contextlib.contextmanager
-def summon_one(instance: FullyShardedDataParallel, **options: bool) -> Iterator[None]:
+def summon_one(instance: WrapperState, **options: bool) -> Iterator[None]:
     """Unshard one instance's own parameters for the duration (see the note above)."""
     _check_options(instance, **options)
-    instance._lazy_init()
+    instance.lazy_init()
     _check_idle(instance)
-    instance._summoning = True
+    instance.summoning = True
     try:
-        if instance._handle is None:
-            yield
-            return
-        full = _FullParams(instance, with_grads=options["with_grads"])
-        if options["rank0_only"] and _rank_in_group(instance) != 0:
-            full.release()
+        if instance.group is None:
             yield
             return
         writeback = options["writeback"] or not _uses_sharded_strategy(instance)
-        full.show(offload_to_cpu=options["offload_to_cpu"])
-        try:
+        with contextlib.ExitStack() as window:  # exits run last-entered first
+            window.callback(_show_current_form, instance)
+            window.enter_context(instance.group.unsharded_in_full_precision())
+            full = _FullParams(instance, with_grads=options["with_grads"])
+            if options["rank0_only"] and _rank_in_group(instance) != 0:
+                window.close()  # gathered with the others, shown on rank 0 alone
+                yield
+                return
+            full.show(offload_to_cpu=options["offload_to_cpu"])
+            window.callback(full.hide, writeback=writeback)
             yield
-        finally:
-            full.hide(writeback=writeback)
-            full.release()
     finally:
-        instance._summoning = False
+        instance.summoning = False
+
+
+def _show_current_form(instance: WrapperState) -> None:
+    """After a summon, show the parameters as the group now holds them: the forward's views
+    of a group still unsharded, else the shards (the original parameters
+    (``use_orig_params=True``) always show their shards, as torch's do)."""
+    handle, group = instance.handle, instance.group
+    assert handle is not None and group is not None
+    if group.is_unsharded and not handle.use_orig_params:
+        handle.to_unsharded()
+    else:
+        handle.show_sharded()
 
 
 class _FullParams:
     """One instance's gathered full parameters (and gradients) during a summon."""
 
-    def __init__(self, instance: FullyShardedDataParallel, *, with_grads: bool) -> None:
+    def __init__(self, instance: WrapperState, *, with_grads: bool) -> None:
+        assert instance.handle is not None
         self.instance = instance
-        self.handle: FlatParamHandle = instance._handle
-        self.group = instance._group
-        self.rank = instance._mesh_info.shard_rank
-        self.set_aside: tuple[Any, Any] | None = None  # the forward's low-precision buffers
-        self.was_unsharded = False  # ... and whether they held parameters
-        self.gathered_here = False
-        self.flat = self._gather()  # 1-D, padded_numel, original dtype
+        self.handle: FlatParamHandle = instance.handle
+        self.rank = instance.mesh_info.shard_rank
+        # The group shows the full parameters (ParamGroup.unsharded_in_full_precision).
+        self.flat = self.handle.gathered  # 1-D, padded_numel, original dtype
         self.grad_flat = self._gather_grads() if with_grads else None  # same layout
         self.cpu_copy: torch.Tensor | None = None  # what the module views (offload_to_cpu)
         self.saved_grads: list[torch.Tensor | None] = []
         self.saved_flat_entries: list[tuple[str, Any]] | None = None
 
-    # -- gather / release ---------------------------------------------------------------
-
-    def _gather(self) -> torch.Tensor:
-        handle, group = self.handle, self.group
-        group.lazy_init()  # resolves the handle's dtypes; we override them below
-        low_precision = handle.param_dtype is not None
-        if group.is_unsharded and not low_precision:
-            return handle.gathered  # unsharded since forward: already full precision
-        if low_precision:
-            # Forward's views alias these buffers (freed or not): the backward regathers
-            # into them, so the full-precision gather must use buffers of its own.
-            if group.is_unsharded:
-                group.sharded_state = ShardedState.SHARDED
-                self.was_unsharded = True
-            else:
-                group.reshard()  # drops a low-precision prefetch nobody waited for
-            self.set_aside = (handle.gathered, handle.unsharded)
-            handle.gathered = handle.unsharded = None
-        param_dtype, handle.param_dtype = handle.param_dtype, None
-        try:
-            self.instance._unshard_now()
-        finally:
-            handle.param_dtype = param_dtype
-        self.gathered_here = True
-        return handle.gathered
+    # -- gradients ----------------------------------------------------------------------
 
     def _gather_grads(self) -> torch.Tensor | None:
         """Every rank's gradient shard, gathered; ``None`` if no rank holds one."""
         handle = self.handle
-        mesh_info = self.instance._mesh_info
+        mesh_info = self.instance.mesh_info
         grads = [p.grad for p in handle.orig_params]
         present = [g for g in grads if g is not None]
         dtype = present[0].dtype if present else handle.orig_dtype
@@ -269,22 +248,6 @@ class _FullParams:
         comms.all_gather(full, shard, mesh_info.shard_group)
         return full
 
-    def release(self) -> None:
-        """Reshard if this summon gathered; give back what forward left unsharded; show the
-        parameters as they are now (after :meth:`hide`, if the summon showed them). Original
-        parameters (``use_orig_params=True``) show their shards, as torch's do."""
-        handle, group = self.handle, self.group
-        if self.gathered_here:
-            group.reshard()
-        if self.set_aside is not None:
-            handle.gathered, handle.unsharded = self.set_aside
-            if self.was_unsharded:
-                group.sharded_state = ShardedState.UNSHARDED
-        if group.is_unsharded and not handle.use_orig_params:
-            handle.to_unsharded()
-        else:
-            handle.show_sharded()
-
     # -- what the module shows ----------------------------------------------------------
 
     def show(self, *, offload_to_cpu: bool) -> None:
@@ -295,9 +258,9 @@ class _FullParams:
         views = handle.full_views(shown)
         grad_views = handle.full_views(self.grad_flat) if self.grad_flat is not None else None
         if not handle.use_orig_params:
-            wrapped = self.instance.module  # holds the flat parameter
+            wrapped = self.instance.inner  # holds the flat parameter
             self.saved_flat_entries = list(registered_parameters(wrapped).items())
-            registered_parameters(wrapped).pop("_flat_param", None)
+            registered_parameters(wrapped).pop(FLAT_PARAM, None)
         for i, (slots, trainable) in enumerate(zip(handle.slots, handle.trainable)):
             if handle.use_orig_params:
                 param = handle.orig_params[i]
@@ -335,7 +298,7 @@ class _FullParams:
                 if grad is not None:
                     _assign_grad(param, grad.view(param.shape))
         if self.saved_flat_entries is not None:
-            wrapped = self.instance.module
+            wrapped = self.instance.inner
             registered_parameters(wrapped).clear()
             registered_parameters(wrapped).update(self.saved_flat_entries)
 
@@ -343,65 +306,57 @@ class _FullParams:
 # -- apply ---------------------------------------------------------------------------------
 
 
-def apply(instance: FullyShardedDataParallel, fn: Any, apply_module: Any) -> Any:
+def apply(instance: WrapperState, fn: Any, apply_module: Any) -> Any:
     """``nn.Module.apply`` with this instance's full parameters shown and written back."""
-    from .fully_sharded_data_parallel import _RESHARD_AFTER_FORWARD as RESHARD_AFTER_FORWARD
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-    state = _busy_state(instance)
-    if state is not None:
+    busy = _busy_state(instance)
+    if busy is not None:
         raise ValueError(
-            f"apply() on {_name(instance)} expected to be in states [IDLE] but current state "
-            f"is {state}: apply() gathers the full parameters itself, so call it outside "
+            f"apply() on {instance} expected to be in states [IDLE] but current state "
+            f"is {busy}: apply() gathers the full parameters itself, so call it outside "
             "summon_full_params, forward and backward"
         )
-    uninitialized = instance._is_root is None
+    uninitialized = instance.is_root is None
     options = dict(writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False)
     with summon_one(instance, **options):
         result = apply_module(fn)
-    if uninitialized and instance._is_root:
-        # The forward may run from another root later: undo the lazy init apply needed.
-        for inner in FullyShardedDataParallel.fsdp_modules(instance):
-            inner._is_root = None
-            if inner._group is not None and inner.sharding_strategy in RESHARD_AFTER_FORWARD:
-                inner._group.configure(reshard_after_forward=True)  # the root had turned it off
+    if uninitialized and instance.is_root:
+        instance.undo_lazy_init()  # the forward may run from another root later
     return result
 
 
 # -- clip_grad_norm_ -----------------------------------------------------------------------
 
 
-def clip_grad_norm(
-    root: FullyShardedDataParallel, max_norm: float, norm_type: float
-) -> torch.Tensor:
+def clip_grad_norm(root: WrapperState, max_norm: float, norm_type: float) -> torch.Tensor:
     """Clip every gradient under ``root`` in place; return the total norm (see the note)."""
-    root._lazy_init()
-    if not root._is_root:
+    root.lazy_init()
+    if not root.is_root:
         raise RuntimeError(
             "clip_grad_norm_() should only be called on the root FSDP instance (the outermost "
-            f"FullyShardedDataParallel), not on the nested {_name(root)}"
+            f"FullyShardedDataParallel), not on the nested {root}"
         )
-    if root._group is not None and root._group.training_state is not TrainingState.IDLE:
+    if root.group is not None and root.group.training_state is not TrainingState.IDLE:
         raise ValueError("clip_grad_norm_() must be called outside forward and backward")
-    instances = root._root_ctx.instances
-    if not any(_uses_sharded_strategy(i) for i in instances if i._handle is not None):
-        return torch.nn.utils.clip_grad_norm_(root.parameters(), max_norm, norm_type)
+    instances = root.ctx.states
+    model = root.module
+    if not any(_uses_sharded_strategy(i) for i in instances if i.handle is not None):
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
     max_norm, norm_type = float(max_norm), float(norm_type)
     sharded: dict[int, nn.Parameter] = {}
     replicated: dict[int, nn.Parameter] = {}
     for instance in instances:
-        handle = instance._handle
+        handle = instance.handle
         if handle is None:
             continue
         target = sharded if _uses_sharded_strategy(instance) else replicated
         params = handle.orig_params if handle.use_orig_params else [handle.flat_param]
         for param in params:
             target.setdefault(id(param), param)
-    for param in root.parameters():  # ignored or otherwise unmanaged: whole on every rank
+    for param in model.parameters():  # ignored or otherwise unmanaged: whole on every rank
         if id(param) not in sharded and id(param) not in replicated:
             replicated[id(param)] = param
     grads = [p.grad for p in [*sharded.values(), *replicated.values()] if p.grad is not None]
-    device = root.compute_device
+    device = root.device
     sharded_norm = _local_norm(sharded.values(), norm_type, device)
     replicated_norm = _local_norm(replicated.values(), norm_type, device) if replicated else None
     group = root.process_group
@@ -416,7 +371,7 @@ def clip_grad_norm(
         if replicated_norm is not None:
             total = total + replicated_norm**norm_type
         total = total ** (1.0 / norm_type)
-    if root.cpu_offload.offload_params:
+    if root.settings.cpu_offload.offload_params:
         total = total.cpu()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
@@ -425,7 +380,7 @@ def clip_grad_norm(
         warnings.warn(
             f"Called FSDP.clip_grad_norm_() on rank {root.rank} with no gradients -- returning "
             f"the total norm in the default dtype {total.dtype}: no parameter under "
-            f"{_name(root)} has a gradient on this rank, so the gradients' dtype is unknown",
+            f"{root} has a gradient on this rank, so the gradients' dtype is unknown",
             stacklevel=3,
         )
         return total

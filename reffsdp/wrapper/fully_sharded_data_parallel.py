@@ -1,20 +1,10 @@
 """``FullyShardedDataParallel``: the wrapper API, a thin front end on the shared core.
 
-[Note: the wrapper on the core]
-Each instance flattens the parameters its module owns (less those of nested instances and
-ignored modules) into one :class:`~reffsdp.wrapper.flat_param.FlatParamHandle`, and that
-handle is the single member of one core :class:`~reffsdp.core.param_group.ParamGroup`. The
-strategies are group settings: FULL_SHARD and HYBRID_SHARD reshard after forward (all but
-the root) and after backward; SHARD_GRAD_OP and _HYBRID_SHARD_ZERO2 keep parameters
-unsharded from forward to backward; NO_SHARD shards over one rank and all-reduces. This
-module only decides *when* groups unshard, reshard and reduce:
-
-forward:  root: lazy init, wait for the optimizer, move and cast inputs
-          instance: unshard + wait, show views, forward prefetch, module forward,
-          reshard per strategy, hook the outputs for pre-backward
-backward: pre-backward (first output gradient): unshard, BACKWARD_PRE prefetch
-          post-backward (the flat gradient is accumulated): reduce, BACKWARD_POST prefetch
-          final callback (root): reduce what never saw a post-backward, wait for reductions
+The ``nn.Module`` here is a facade: each instance's state, its hooks and what it owns live on
+a :class:`~reffsdp.wrapper.state.WrapperState` (see [Note: the wrapper on the core] and
+[Note: an instance's state and its module] in ``state.py``), and the methods below delegate
+to it and to the helper modules: ``full_params`` (summoning, ``apply``, clipping),
+``state_dict``, ``optim_state``, ``optim_state_load`` and ``legacy_optim_state``.
 """
 
 from __future__ import annotations
@@ -22,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,46 +28,22 @@ from ..api import (
     StateDictSettings,
     StateDictType,
 )
-from ..core.autograd_hooks import (
-    cast_floating,
-    in_backward,
-    map_tensors,
-    queue_final_callback,
-    register_pre_backward,
-)
 from ..core.collectives import CustomReduction
-from ..core.compile_support import install_eager_methods, mark_fsdp_managed, run_eagerly
-from ..core.param_group import GroupSettings, ParamGroup, end_backward
-from ..core.runtime import CommContext
+from ..core.compile_support import install_eager_methods, mark_fsdp_managed
 from ..core.states import TrainingState
-from ..core.torch_internals import (
-    CHECKPOINT_WRAPPED_MODULE,
-    has_optimizer_in_backward,
-    registered_children,
-    registered_parameters,
-)
+from ..core.torch_internals import registered_children, registered_parameters
+from ..wrap import auto_wrap_children
 from . import full_params, legacy_optim_state, optim_state, optim_state_load, setup, state_dict
 from .compile_support import call_through_wrappers, run_frame_eagerly
-from .flat_param import FlatParameter, FlatParamHandle, ParamSlot
-
-WRAPPED_MODULE = "_fsdp_wrapped_module"
-FLAT_PARAM = "_flat_param"
-_RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-
-
-@dataclass
-class RootContext:
-    """What every instance under one root shares."""
-
-    instances: list[FullyShardedDataParallel] = field(default_factory=list)
-    comm: CommContext = field(default_factory=CommContext)
-    iter_forward_root: FullyShardedDataParallel | None = None
-    final_callback_queued: bool = False
-    # First iteration's pre-forward order (forward prefetch) and this iteration's
-    # post-forward order (backward prefetch).
-    forward_order: list[FullyShardedDataParallel] = field(default_factory=list)
-    forward_order_recorded: bool = False
-    post_forward_order: list[FullyShardedDataParallel] = field(default_factory=list)
+from .flat_param import FlatParameter, FlatParamHandle
+from .state import (
+    FLAT_PARAM,
+    RESHARD_AFTER_FORWARD,
+    STATE_KEY,
+    WRAPPED_MODULE,
+    WrapperSettings,
+    WrapperState,
+)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -104,162 +69,125 @@ class FullyShardedDataParallel(nn.Module):
         device_mesh: Any = None,
     ) -> None:
         super().__init__()
-        setup.check_arguments(
-            module,
-            FullyShardedDataParallel,
+        given = dict(  # what auto-wrapped children are given too
+            process_group=process_group,
             sharding_strategy=sharding_strategy,
             cpu_offload=cpu_offload,
             backward_prefetch=backward_prefetch,
             mixed_precision=mixed_precision,
-            device_mesh=device_mesh,
-            process_group=process_group,
             param_init_fn=param_init_fn,
+            device_id=device_id,
+            sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            use_orig_params=use_orig_params,
+            ignored_states=ignored_states,
+            device_mesh=device_mesh,
         )
+        setup.check_arguments(module, FullyShardedDataParallel, **given)
         setup.check_hybrid_groups(sharding_strategy, process_group, device_mesh, auto_wrap_policy)
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         device = setup.compute_device(module, device_id, process_group, device_mesh)
         mesh_info = setup.mesh_info_for_strategy(strategy, process_group, device_mesh, device)
-        self.sharding_strategy = setup.strategy_for_group(strategy, mesh_info)
-        if self.sharding_strategy is not strategy:
-            mesh_info = setup.mesh_info_for_strategy(
-                self.sharding_strategy, process_group, device_mesh, device
-            )
-        ignored_modules_set, ignored_params = setup.ignored_sets(
+        runs = setup.strategy_for_group(strategy, mesh_info)
+        if runs is not strategy:
+            mesh_info = setup.mesh_info_for_strategy(runs, process_group, device_mesh, device)
+        ignored = setup.ignored_sets(
             module, ignored_modules, ignored_states, FullyShardedDataParallel
         )
         mark_fsdp_managed(
-            (m for m in module.modules() if m not in ignored_modules_set),
-            params_are_own=use_orig_params,
+            (m for m in module.modules() if m not in ignored[0]), params_are_own=use_orig_params
         )
         install_eager_methods(FullyShardedDataParallel)
         if auto_wrap_policy is not None:
-            from ..wrap import auto_wrap_children
+            _wrap_children(module, auto_wrap_policy, strategy, mesh_info, ignored, given)
+        self._become_wrapper(module, runs, mesh_info, device, ignored, given)
 
-            # Children reuse the root's groups: a hybrid mesh is built once, here.
-            hybrid = strategy in setup.HYBRID
-            root_kwargs = dict(
-                process_group=None if hybrid else process_group,
-                sharding_strategy=strategy,
-                cpu_offload=cpu_offload,
-                backward_prefetch=backward_prefetch,
-                mixed_precision=mixed_precision,
-                param_init_fn=param_init_fn,
-                device_id=device_id,
-                sync_module_states=sync_module_states,
-                forward_prefetch=forward_prefetch,
-                limit_all_gathers=limit_all_gathers,
-                use_orig_params=use_orig_params,
-                # Ignored parameters stay ignored inside the children that hold them.
-                ignored_states=ignored_params or None,
-                device_mesh=mesh_info.mesh if hybrid else device_mesh,
-            )
-            auto_wrap_children(
-                module,
-                auto_wrap_policy,
-                FullyShardedDataParallel,
-                root_kwargs,
-                ignored_modules_set,
-                ignored_params,
-            )
-            call_through_wrappers(module, FullyShardedDataParallel)
-        self.cpu_offload = cpu_offload or CPUOffload()
-        self.backward_prefetch = backward_prefetch
-        self.forward_prefetch = forward_prefetch
-        # torch's rate limiter (at most two all-gathers ahead of compute) holds by construction
-        # here: see rule 3 of [Note: why all-gathers get their own stream] in core/streams.
-        self.limit_all_gathers = limit_all_gathers
-        # None reads as all-default settings (full precision), as torch's wrapper keeps it.
-        self.mixed_precision = mixed_precision if mixed_precision is not None else MixedPrecision()
-        self._use_orig_params = use_orig_params
-        self.compute_device = device
-        self.process_group = mesh_info.shard_group or mesh_info.replicate_group
-        self.rank = mesh_info.shard_rank
-        self.world_size = mesh_info.shard_size
-        self._mesh_info = mesh_info
-        self._ignored_modules = ignored_modules_set
-        self._ignored_params = ignored_params
-        self._is_root: bool | None = None
-        self._sync_gradients = True
-        self._root_ctx = RootContext()
-        self.training_state = TrainingState.IDLE
+    def _become_wrapper(self, module, strategy, mesh_info, device, ignored, given) -> None:
+        """Keep this instance's state under it (see [Note: an instance's state and its
+        module] in state.py), register ``module`` and flatten its own parameters."""
+        mixed_precision = given["mixed_precision"]
+        settings = WrapperSettings(
+            strategy,
+            given["cpu_offload"] or CPUOffload(),
+            given["backward_prefetch"],
+            given["forward_prefetch"],
+            given["limit_all_gathers"],
+            # None reads as all-default settings (full precision), as torch's wrapper keeps it.
+            mixed_precision if mixed_precision is not None else MixedPrecision(),
+            given["use_orig_params"],
+        )
+        state = WrapperState(self, settings, mesh_info, device, *ignored)
+        self.__dict__[STATE_KEY] = state
         self.add_module(WRAPPED_MODULE, module)
-        state_dict.init_state_dict(self, device_mesh)
+        state_dict.init_state_dict(state, given["device_mesh"])
+        _take_parameters(state, given["param_init_fn"], given["sync_module_states"])
 
-        setup.materialize(
-            module, param_init_fn, device, ignored_modules_set, FullyShardedDataParallel
-        )
-        own_modules = setup._unwrapped_modules(
-            module, ignored_modules_set, FullyShardedDataParallel
-        )
-        offload = self.cpu_offload.offload_params
-        setup.move_to_device(own_modules, device, offload, FullyShardedDataParallel)
-        entries = setup.managed_params(
-            module, ignored_modules_set, ignored_params, FullyShardedDataParallel, FLAT_PARAM
-        )
-        if sync_module_states:
-            buffers = [b for m in own_modules for b in m.buffers(recurse=False)]
-            setup.sync_module_states([p for p, _ in entries], buffers, mesh_info)
-        self._handle: FlatParamHandle | None = None
-        self._group: ParamGroup | None = None
-        if entries:
-            self._build_group(entries, mesh_info, device, self.sharding_strategy, offload)
-
-    def _build_group(self, entries, mesh_info, device, strategy, offload) -> None:
-        slots = [[ParamSlot(m, name, fqn) for m, name, fqn in refs] for _, refs in entries]
-        unsharded = strategy is ShardingStrategy.NO_SHARD
-        handle = FlatParamHandle(
-            slots,
-            [param for param, _ in entries],
-            mesh_info.shard_size,
-            mesh_info.shard_rank,
-            device,
-            use_orig_params=self._use_orig_params,
-            offload=offload,
-            fqn_prefix=f"{WRAPPED_MODULE}.",
-            owner=f"FullyShardedDataParallel({type(self.module).__name__})",
-            pad_multiple=mesh_info.replicate_size if unsharded else None,
-        )
-        handle.post_backward_hook = self._post_backward
-        mp = self.mixed_precision
-        handle.keep_low_precision_grads = mp.keep_low_precision_grads
-        module = self.module  # inside a checkpoint wrapper: see [Note: names in state dicts]
-        if self._use_orig_params:
-            module.__dict__[FLAT_PARAM] = handle.flat_param
-        else:
-            module.register_parameter(FLAT_PARAM, handle.flat_param)
-        param_dtype, reduce_dtype = mp.param_dtype, mp.reduce_dtype
-        if reduce_dtype is None:
-            reduce_dtype = param_dtype  # the wrapper reduces in param_dtype unless told
-        settings = GroupSettings(
-            reshard_after_forward=strategy in _RESHARD_AFTER_FORWARD,
-            # Every strategy regathers after backward: the optimizer updates the shards.
-            reshard_after_backward=True,
-            # Torch's wrapper never reduces with AVG: it divides by the pre factor, sums,
-            # and divides by the post factor (see pre_post_divide_factors). Same numerics.
-            force_sum_reduction=True,
-        )
-        self._handle = handle
-        self._group = ParamGroup(
-            [handle],
-            f"FullyShardedDataParallel({type(module).__name__})",
-            mesh_info,
-            device,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            settings=settings,
-        )
-
-    # -- plain accessors ----------------------------------------------------------------
+    # -- what torch's wrapper shows -------------------------------------------------------
 
     @property
     def module(self) -> nn.Module:
         """The wrapped module (under an activation-checkpoint wrapper, the module inside)."""
-        wrapped = self._fsdp_wrapped_module
-        return getattr(wrapped, CHECKPOINT_WRAPPED_MODULE, wrapped)
+        return self._fsdp_wrapper_state.inner
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self._fsdp_wrapper_state.settings.strategy
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        return self._fsdp_wrapper_state.settings.cpu_offload
+
+    @property
+    def backward_prefetch(self) -> BackwardPrefetch | None:
+        return self._fsdp_wrapper_state.settings.backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        return self._fsdp_wrapper_state.settings.forward_prefetch
+
+    @property
+    def limit_all_gathers(self) -> bool:
+        return self._fsdp_wrapper_state.settings.limit_all_gathers
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return self._fsdp_wrapper_state.settings.mixed_precision
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self._fsdp_wrapper_state.device
+
+    @property
+    def process_group(self) -> Any:
+        return self._fsdp_wrapper_state.process_group
+
+    @property
+    def rank(self) -> int:
+        return self._fsdp_wrapper_state.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._fsdp_wrapper_state.world_size
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self._fsdp_wrapper_state.training_state
+
+    @property
+    def _handle(self) -> FlatParamHandle | None:
+        """This instance's flat-parameter handle, where torch's wrapper keeps its own."""
+        return self._fsdp_wrapper_state.handle
+
+    @property
+    def _is_root(self) -> bool | None:
+        """Whether this instance is a root (``None`` before a root's lazy init), as torch's."""
+        return self._fsdp_wrapper_state.is_root
 
     @property
     def _flat_param(self) -> FlatParameter | None:
-        return self._handle.flat_param if self._handle is not None else None
+        handle = self._fsdp_wrapper_state.handle
+        return handle.flat_param if handle is not None else None
 
     def __getattr__(self, name: str) -> Any:
         """Attributes the wrapper lacks come from the wrapped module."""
@@ -277,7 +205,8 @@ class FullyShardedDataParallel(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
         """``nn.Module._apply`` (behind ``to()``, ``half()``, ``to_empty()``) with the move
         landing on the flat parameter (see [Note: moving a wrapped model] in flat_param)."""
-        handle, group = self._handle, self._group
+        state = self._fsdp_wrapper_state
+        handle, group = state.handle, state.group
         if handle is None:
             return super()._apply(fn, recurse)
         result, moved = self._apply_to_flat_param(fn, recurse)
@@ -297,9 +226,11 @@ class FullyShardedDataParallel(nn.Module):
         changes its data alone. Returns the result and the flat parameter's moved data:
         ``_apply`` registers a new parameter for a move across tensor types (to meta, say),
         so ours is registered again afterwards."""
-        module, handle = self.module, self._handle
+        state = self._fsdp_wrapper_state
+        module, handle = state.inner, state.handle
+        use_orig_params = state.settings.use_orig_params
         params = registered_parameters(module)
-        if self._use_orig_params:
+        if use_orig_params:
             handle.hide_originals()
             params[FLAT_PARAM] = module.__dict__.pop(FLAT_PARAM)
         try:
@@ -307,7 +238,7 @@ class FullyShardedDataParallel(nn.Module):
             moved = params[FLAT_PARAM].data
         finally:
             params.pop(FLAT_PARAM)
-            if self._use_orig_params:
+            if use_orig_params:
                 module.__dict__[FLAT_PARAM] = handle.flat_param
                 handle.show_sharded()
             else:
@@ -315,8 +246,9 @@ class FullyShardedDataParallel(nn.Module):
         return result, moved
 
     def check_is_root(self) -> bool:
-        self._lazy_init()
-        return bool(self._is_root)
+        state = self._fsdp_wrapper_state
+        state.lazy_init()
+        return bool(state.is_root)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
@@ -454,196 +386,19 @@ class FullyShardedDataParallel(nn.Module):
             optim_state_dict, optim_state_key_type, model, optim_input, optim
         )
 
-    # -- lazy init ----------------------------------------------------------------------
-
-    def _lazy_init(self) -> None:
-        """The first instance to run forward becomes the root of every instance below it."""
-        if self._is_root is not None:
-            return
-        instances = FullyShardedDataParallel.fsdp_modules(self)
-        _refuse_stand_in_groups(instances)
-        _refuse_optimizer_in_backward(instances)
-        self._is_root = True
-        ctx = RootContext()
-        for instance in instances[1:]:
-            if instance._is_root is not None:
-                raise RuntimeError(
-                    f"a nested FullyShardedDataParallel({type(instance.module).__name__}) ran "
-                    "forward before its root; run forward through the root module first"
-                )
-            instance._is_root = False
-        ctx.instances = instances
-        for instance in instances:
-            instance._root_ctx = ctx
-            if instance._group is not None:
-                instance._group.bind(ctx.comm)
-        if self._group is not None and self.sharding_strategy in _RESHARD_AFTER_FORWARD:
-            self._group.configure(reshard_after_forward=False)  # backward needs it at once
-        for instance in instances:
-            instance._cast_buffers()
-
-    def _cast_buffers(self) -> None:
-        """Floating buffers of this instance's own modules to its ``buffer_dtype``: each
-        instance's own setting, so batch norm wrapped with mixed precision off stays fp32
-        (see [Note: mixed precision skips batch norm] in wrap.py)."""
-        mp = self.mixed_precision
-        if mp.buffer_dtype is None:
-            return
-        for sub in self._own_modules():
-            for name, buffer in sub.named_buffers(recurse=False, remove_duplicate=False):
-                if buffer.is_floating_point():
-                    setattr(sub, name, buffer.to(mp.buffer_dtype))
-
-    def _own_modules(self) -> list[nn.Module]:
-        return setup._unwrapped_modules(
-            self._fsdp_wrapped_module, self._ignored_modules, FullyShardedDataParallel
-        )
-
-    # -- forward ------------------------------------------------------------------------
+    # -- forward (see [Note: hook order] in reffsdp/core/driver.py) -----------------------
 
     @run_frame_eagerly  # see [Note: the wrapper's forward under compile]
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # FSDP's steps run eagerly; the wrapped module between them may be compiled.
-        recompute, args, kwargs = self._pre_forward(args, kwargs)
-        if recompute:
-            return self._fsdp_wrapped_module(*args, **kwargs)
+        state = self._fsdp_wrapper_state
+        args, kwargs = state._pre_forward(self, args, kwargs)
         try:
             output = self._fsdp_wrapped_module(*args, **kwargs)
         finally:
-            self.training_state = TrainingState.IDLE
-        return self._post_forward(output)
-
-    @run_eagerly
-    def _pre_forward(self, args: Any, kwargs: Any) -> tuple[bool, Any, Any]:
-        """Returns ``(recompute, args, kwargs)``: ``recompute`` in activation-checkpoint
-        recompute (parameters unsharded, nothing more)."""
-        if in_backward():
-            self._unshard_now()
-            return True, args, kwargs
-        self._lazy_init()
-        ctx = self._root_ctx
-        if ctx.iter_forward_root is None:
-            ctx.iter_forward_root = self
-            args, kwargs = self._root_pre_forward(args, kwargs)
-        self.training_state = TrainingState.FORWARD
-        args, kwargs = self._cast_inputs(args, kwargs, root=False)
-        if self._group is not None:
-            self._group.pre_forward()
-            self._handle.to_unsharded()  # fresh views, so autograd sees this forward
-            if not ctx.forward_order_recorded:
-                ctx.forward_order.append(self)
-            if self.forward_prefetch:
-                self._prefetch(self._next_in_forward())
-        return False, args, kwargs
-
-    @run_eagerly
-    def _post_forward(self, output: Any) -> Any:
-        ctx = self._root_ctx
-        if self._group is not None:
-            backward_follows = torch.is_grad_enabled()
-            self._group.post_forward(backward_follows=backward_follows)
-            reshards = self.sharding_strategy in _RESHARD_AFTER_FORWARD
-            if self._use_orig_params and (reshards or not backward_follows):
-                # Shard views, as torch shows: the root keeps its gathered buffer for
-                # backward, and SHARD_GRAD_OP keeps the full views for backward only.
-                self._handle.show_sharded()
-            if backward_follows:
-                ctx.post_forward_order.append(self)
-        output = register_pre_backward(self._pre_backward, output, owner=repr(self._group))
-        if ctx.iter_forward_root is self:
-            ctx.iter_forward_root = None
-            ctx.forward_order_recorded = True
-        return output
-
-    def _unshard_now(self) -> None:
-        """Gather and show the full parameters now, outside the forward's order."""
-        if self._group is not None:
-            self._group.unshard(after_compute=True)
-            self._group.wait_for_unshard()
-            self._handle.to_unsharded()
-
-    def _root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        ctx = self._root_ctx
-        ctx.comm.all_gather_stream(self.compute_device).wait_for_compute()
-        if self.compute_device.type != "cpu":
-            move = lambda t: t.to(self.compute_device, non_blocking=True)  # noqa: E731
-            args, kwargs = map_tensors(move, (args, kwargs))
-        if not self._is_root:  # a nested instance run on its own casts as a non-root
-            return args, kwargs
-        return self._cast_inputs(args, kwargs, root=True)
-
-    def _cast_inputs(self, args: Any, kwargs: Any, *, root: bool) -> tuple[Any, Any]:
-        mp = self.mixed_precision
-        if mp.param_dtype is None:
-            return args, kwargs
-        if not (mp.cast_root_forward_inputs if root else mp.cast_forward_inputs):
-            return args, kwargs
-        return cast_floating((args, kwargs), mp.param_dtype)
-
-    def _next_in_forward(self) -> FullyShardedDataParallel | None:
-        order = self._root_ctx.forward_order
-        if not self._root_ctx.forward_order_recorded or self not in order:
-            return None
-        index = order.index(self)
-        return order[index + 1] if index + 1 < len(order) else None
-
-    def _previous_in_forward(self) -> FullyShardedDataParallel | None:
-        order = self._root_ctx.post_forward_order
-        for index in range(len(order) - 1, -1, -1):
-            if order[index] is self:
-                return order[index - 1] if index > 0 else None
-        return None
-
-    @staticmethod
-    def _prefetch(target: FullyShardedDataParallel | None) -> None:
-        if target is None or target._group is None:
-            return
-        if target._group.training_state in (
-            TrainingState.PRE_BACKWARD,
-            TrainingState.POST_BACKWARD,
-        ):
-            return  # its backward already ran in this pass: gathering again would be waste
-        target._group.unshard()
-
-    # -- backward -----------------------------------------------------------------------
-
-    @run_eagerly
-    def _pre_backward(self, grad: torch.Tensor) -> None:
-        ctx = self._root_ctx
-        if not ctx.final_callback_queued:
-            ctx.final_callback_queued = True
-            root = ctx.instances[0] if ctx.instances else self
-            queue_final_callback(root._final_callback)
-        group = self._group
-        if group is None or group.training_state is TrainingState.PRE_BACKWARD:
-            return
-        group.pre_backward()
-        if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-            self._prefetch(self._previous_in_forward())
-
-    def _post_backward(self) -> None:
-        group = self._group
-        assert group is not None
-        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            # Before this unit's reduction, as torch orders them: the next unit's gather is
-            # not queued behind the reduce-scatter.
-            self._prefetch(self._previous_in_forward())
-        group.post_backward()
-
-    @run_eagerly
-    def _final_callback(self) -> None:
-        ctx = self._root_ctx
-        try:
-            end_backward([i._group for i in ctx.instances if i._group is not None], ctx.comm)
-            for instance in ctx.instances:
-                instance.training_state = TrainingState.IDLE
-                if instance._use_orig_params and instance._handle is not None:
-                    # Groups kept unsharded for the next backward (no_sync) show shards too.
-                    instance._handle.show_sharded()
-            ctx.post_forward_order.clear()
-        finally:
-            ctx.final_callback_queued = False
-            ctx.iter_forward_root = None
+            if state.training_state is TrainingState.FORWARD:  # idle again after an error too
+                state.training_state = TrainingState.IDLE
+        return state._post_forward(self, args, output)
 
     # -- communication hooks ------------------------------------------------------------
 
@@ -662,18 +417,17 @@ class FullyShardedDataParallel(nn.Module):
         if not self.check_is_root():
             raise _with_note(
                 AssertionError("register_comm_hook can only be called on a root instance."),
-                f"FullyShardedDataParallel({type(self.module).__name__}) is nested; call it on "
-                "the outermost instance, and the hook applies to every instance under it",
+                f"{self._fsdp_wrapper_state} is nested; call it on the outermost instance, "
+                "and the hook applies to every instance under it",
             )
-        instances = self._root_ctx.instances
+        instances = self._fsdp_wrapper_state.ctx.states
         for instance in instances:
-            if instance.sharding_strategy in setup.HYBRID:
+            if instance.strategy in setup.HYBRID:
                 raise AssertionError(
                     "Communication hook is not supported for hybrid strategies: "
-                    f"FullyShardedDataParallel({type(instance.module).__name__}) runs "
-                    f"{instance.sharding_strategy}"
+                    f"{instance} runs {instance.strategy}"
                 )
-            group = instance._group
+            group = instance.group
             if group is not None and group.settings.custom_reduction is not None:
                 raise _with_note(
                     AssertionError("A communication hook is already registered"),
@@ -687,8 +441,8 @@ class FullyShardedDataParallel(nn.Module):
             cast_to_reduce_dtype=hook not in LOW_PRECISION_HOOKS,
         )
         for instance in instances:
-            if instance._group is not None:
-                instance._group.configure(custom_reduction=reduction)
+            if instance.group is not None:
+                instance.group.configure(custom_reduction=reduction)
 
     # -- gradient accumulation ----------------------------------------------------------
 
@@ -699,15 +453,15 @@ class FullyShardedDataParallel(nn.Module):
         Meanwhile ``.grad`` shows this rank's own gradient, unsharded (see [Note: gradients
         kept while sync is off] in flat_param): under the sharded strategies step the
         optimizer only after a backward outside the context, which reduces it."""
-        self._lazy_init()
-        if not self._is_root:
+        root = self._fsdp_wrapper_state
+        root.lazy_init()
+        if not root.is_root:
             raise RuntimeError("no_sync() must be called on the root FullyShardedDataParallel")
-        instances = self._root_ctx.instances
-        previous = [(i, i._group.settings) for i in instances if i._group is not None]
+        previous = [(i, i.group.settings) for i in root.ctx.states if i.group is not None]
         for instance, settings in previous:
-            keep = instance.sharding_strategy not in _RESHARD_AFTER_FORWARD
-            instance._sync_gradients = False
-            instance._group.configure(
+            keep = instance.strategy not in RESHARD_AFTER_FORWARD
+            instance.sync_gradients = False
+            instance.group.configure(
                 reduce_grads=False,
                 reshard_after_backward=settings.reshard_after_backward and not keep,
             )
@@ -715,15 +469,13 @@ class FullyShardedDataParallel(nn.Module):
             yield
         finally:
             for instance, settings in previous:
-                instance._sync_gradients = True
-                instance._group.configure(
+                instance.sync_gradients = True
+                instance.group.configure(
                     reduce_grads=settings.reduce_grads,
                     reshard_after_backward=settings.reshard_after_backward,
                 )
 
     # -- full parameters and utilities (see [Note: summoning full parameters] in full_params)
-
-    _summoning = False  # inside summon_full_params (or apply) for this instance
 
     @staticmethod
     @contextlib.contextmanager
@@ -754,20 +506,62 @@ class FullyShardedDataParallel(nn.Module):
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As ``nn.Module``'s; inside ``summon_full_params`` names drop the wrapper prefix."""
-        yield from full_params.clean_names(self, super().named_parameters(*args, **kwargs))
+        named = super().named_parameters(*args, **kwargs)
+        yield from full_params.clean_names(self._fsdp_wrapper_state, named)
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """As ``nn.Module``'s; inside ``summon_full_params`` names drop the wrapper prefix."""
-        yield from full_params.clean_names(self, super().named_buffers(*args, **kwargs))
+        named = super().named_buffers(*args, **kwargs)
+        yield from full_params.clean_names(self._fsdp_wrapper_state, named)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """``nn.Module.apply`` with this instance's full parameters shown and written back."""
-        return full_params.apply(self, fn, super().apply)
+        return full_params.apply(self._fsdp_wrapper_state, fn, super().apply)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole model in place (root only; every rank must call
         it); return the total norm, as for the unsharded model."""
-        return full_params.clip_grad_norm(self, max_norm, norm_type)
+        return full_params.clip_grad_norm(self._fsdp_wrapper_state, max_norm, norm_type)
+
+
+def _wrap_children(module, policy, strategy, mesh_info, ignored, given) -> None:
+    """Wrap what ``policy`` picks below ``module``, each child given what this instance was
+    (``given``), with a hybrid mesh built once, here, and ignored parameters ignored inside
+    the children holding them."""
+    hybrid = strategy in setup.HYBRID
+    children = dict(
+        given,
+        process_group=None if hybrid else given["process_group"],
+        sharding_strategy=strategy,
+        ignored_states=ignored[1] or None,
+        device_mesh=mesh_info.mesh if hybrid else given["device_mesh"],
+    )
+    auto_wrap_children(module, policy, FullyShardedDataParallel, children, *ignored)
+    call_through_wrappers(module, FullyShardedDataParallel)
+
+
+def _take_parameters(
+    state: WrapperState,
+    param_init_fn: Callable[[nn.Module], None] | None,
+    sync_module_states: bool,
+) -> None:
+    """Give this instance's own modules real storage on its device (rank 0's values with
+    ``sync_module_states``) and flatten their parameters into its group."""
+    module, ignored_modules = state.wrapped, state.ignored_modules
+    setup.materialize(
+        module, param_init_fn, state.device, ignored_modules, FullyShardedDataParallel
+    )
+    own_modules = state.own_modules()
+    offload = state.settings.cpu_offload.offload_params
+    setup.move_to_device(own_modules, state.device, offload, FullyShardedDataParallel)
+    entries = setup.managed_params(
+        module, ignored_modules, state.ignored_params, FullyShardedDataParallel, FLAT_PARAM
+    )
+    if sync_module_states:
+        buffers = [b for m in own_modules for b in m.buffers(recurse=False)]
+        setup.sync_module_states([p for p, _ in entries], buffers, state.mesh_info)
+    if entries:
+        state.build_group(entries)
 
 
 def _with_note(error: Exception, note: str) -> Exception:
@@ -776,42 +570,6 @@ def _with_note(error: Exception, note: str) -> Exception:
     if hasattr(error, "add_note"):
         error.add_note(note)
     return error
-
-
-def _refuse_stand_in_groups(instances: list[FullyShardedDataParallel]) -> None:
-    """Forward, backward, summoning and state dicts communicate: a stand-in cannot."""
-    for instance in instances:
-        if isinstance(instance._mesh_info.mesh, setup.StandInMesh):
-            raise TypeError(
-                f"FullyShardedDataParallel({type(instance.module).__name__}) was built over "
-                f"a stand-in process group ({type(instance.process_group).__name__}, with "
-                "rank() and size() only), which decides sharding and wrapping but cannot "
-                "communicate; build it over a torch.distributed ProcessGroup to run it"
-            )
-
-
-def _refuse_optimizer_in_backward(instances: list[FullyShardedDataParallel]) -> None:
-    """Parameters handed to ``torch.distributed.optim._apply_optimizer_in_backward`` are
-    marked (``has_optimizer_in_backward``). On flat parameters torch's wrapper refuses them;
-    on original parameters it steps them in its post-backward, which ours does not: their
-    gradients are set after the reduction, so those optimizers would never step."""
-    for instance in instances:
-        handle = instance._handle
-        if handle is None:
-            continue
-        name = f"FullyShardedDataParallel({type(instance.module).__name__})"
-        if has_optimizer_in_backward(handle.flat_param):
-            raise RuntimeError(
-                "FSDP optimizer in backward only supported with use_orig_params=True: the "
-                f"flat parameter of {name} was given to an optimizer that steps in backward; "
-                "wrap with use_orig_params=True, or step an ordinary optimizer after backward"
-            )
-        if any(has_optimizer_in_backward(p) for p in handle.orig_params):
-            raise NotImplementedError(
-                f"parameters of {name} were given to an optimizer that steps in backward, "
-                "which reffsdp's wrapper does not run (torch's does with "
-                "use_orig_params=True); step an ordinary optimizer after backward"
-            )
 
 
 FullyShardedDataParallel.__module__ = "reffsdp"

@@ -49,7 +49,7 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,9 +58,7 @@ import torch.nn as nn
 from ..api import ShardingStrategy, StateDictType
 from ..core import comms
 from . import state_dict as sd
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .state import WrapperState, state_of, states_under
 
 STATE, PARAM_GROUPS, PARAMS = "state", "param_groups", "params"
 
@@ -73,28 +71,27 @@ class Owner:
     """Which original parameters one optimizer parameter stands for."""
 
     fqns: Names  # original names, relative to the model
-    instance: FullyShardedDataParallel | None  # None: a parameter no instance manages
+    instance: WrapperState | None  # None: a parameter no instance manages
     index: int | None  # use_orig_params=True: the original's index in the flat parameter
 
 
 def owners(model: nn.Module) -> dict[nn.Parameter, Owner]:
     """Every parameter an optimizer of ``model`` may hold, in the model's parameter order
     (the same on every rank; see [Note: one order for every rank's collectives])."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
     managed: dict[nn.Parameter, Owner] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, FullyShardedDataParallel) or module._handle is None:
+        instance = state_of(module)
+        if instance is None or instance.handle is None:
             continue
-        module._lazy_init()
+        instance.lazy_init()
         prefix = sd.clean_name(f"{name}.") if name else ""
-        handle = module._handle
+        handle = instance.handle
         fqns = tuple(prefix + fqn for fqn in handle.fqns)
         if handle.use_orig_params:
             for index, param in enumerate(handle.orig_params):
-                managed[param] = Owner((fqns[index],), module, index)
+                managed[param] = Owner((fqns[index],), instance, index)
         else:
-            managed[handle.flat_param] = Owner(fqns, module, None)
+            managed[handle.flat_param] = Owner(fqns, instance, None)
     ordered: dict[nn.Parameter, Owner] = {}
     for name, param in model.named_parameters():
         ordered[param] = managed.pop(param, None) or Owner((sd.clean_name(name),), None, None)
@@ -147,14 +144,11 @@ def optim_state_dict(
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """``optim``'s state keyed by original names, full or sharded per the type in force."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
     settings = sd.get_state_dict_type(model)
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     config = settings.optim_state_dict_config
     # A wrapper given a device mesh saves DTensors, as torch's sets ``_use_dtensor`` then.
-    instances = FullyShardedDataParallel.fsdp_modules(model)
-    meshes = any(instance._device_mesh is not None for instance in instances)
+    meshes = any(instance.device_mesh is not None for instance in states_under(model))
     options = SaveOptions(
         full=full,
         rank0_only=full and getattr(config, "rank0_only", False),
@@ -354,9 +348,9 @@ def _whole_states(
     return states
 
 
-def _is_sharded(instance: FullyShardedDataParallel | None) -> bool:
+def _is_sharded(instance: WrapperState | None) -> bool:
     """Whether sharded optimizer state dicts chunk this instance's state (NO_SHARD: whole)."""
-    return instance is not None and instance.sharding_strategy is not ShardingStrategy.NO_SHARD
+    return instance is not None and instance.strategy is not ShardingStrategy.NO_SHARD
 
 
 def is_shardable(value: Any) -> bool:
@@ -366,8 +360,8 @@ def is_shardable(value: Any) -> bool:
 def _whole_flat_states(owner: Owner, local: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """A flat parameter's state tensors are flat shards: gathered, then cut per original."""
     instance = owner.instance
-    assert instance is not None and instance._handle is not None
-    layout = instance._handle.layout
+    assert instance is not None and instance.handle is not None
+    layout = instance.handle.layout
     result: dict[str, dict[str, Any]] = {fqn: {} for fqn in owner.fqns}
     # Tensors cut into the originals first, then what they share (``step``), as torch's.
     for name in sorted(local, key=lambda name: not is_shardable(local[name])):
@@ -391,15 +385,15 @@ def _whole_orig_state(
     state names, dtypes and non-tensor values over all ranks, says what to gather.
     """
     instance, index = owner.instance, owner.index
-    assert instance is not None and index is not None and instance._handle is not None
-    piece = instance._handle.rank_shard.params[index]
-    layout = instance._handle.layout
+    assert instance is not None and index is not None and instance.handle is not None
+    piece = instance.handle.rank_shard.params[index]
+    layout = instance.handle.layout
     out: dict[str, Any] = {}
     for name, (dtype, value) in summary.items():
         if dtype is None:
             out[name] = copy_value(local.get(name, value))
             continue
-        shard = torch.zeros(layout.shard_numel, dtype=dtype, device=instance.compute_device)
+        shard = torch.zeros(layout.shard_numel, dtype=dtype, device=instance.device)
         if name in local and piece.in_shard and piece.numel_in_shard:
             shard.narrow(0, piece.offset_in_shard, piece.numel_in_shard).copy_(
                 local[name].reshape(-1)
@@ -415,18 +409,18 @@ def copy_value(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
-def _gather_flat(shard: torch.Tensor, instance: FullyShardedDataParallel) -> torch.Tensor:
+def _gather_flat(shard: torch.Tensor, instance: WrapperState) -> torch.Tensor:
     """All-gather a flat shard (``shard_numel`` elements) over the instance's shard group."""
-    handle = instance._handle
+    handle = instance.handle
     assert handle is not None
     if shard.numel() != handle.layout.shard_numel:
         raise ValueError(
             f"optimizer state of {shard.numel()} elements for a flat parameter shard of "
             f"{handle.layout.shard_numel}: the optimizer state does not belong to this model"
         )
-    shard = shard.reshape(-1).to(instance.compute_device)
+    shard = shard.reshape(-1).to(instance.device)
     if instance.world_size == 1:
         return shard
     output = shard.new_empty(handle.layout.padded_numel)
-    comms.all_gather(output, shard.contiguous(), instance._mesh_info.shard_group)
+    comms.all_gather(output, shard.contiguous(), instance.mesh_info.shard_group)
     return output

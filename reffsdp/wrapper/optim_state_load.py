@@ -169,8 +169,8 @@ def _orig_param_piece(owner: Owner, values: dict[str, Any]) -> dict[str, Any]:
     """``use_orig_params=True``: this rank's piece of one original parameter's state (none
     where the rank holds none of the parameter, as the optimizer would have)."""
     instance, index = owner.instance, owner.index
-    assert instance is not None and index is not None and instance._handle is not None
-    handle = instance._handle
+    assert instance is not None and index is not None and instance.handle is not None
+    handle = instance.handle
     for name, value in values.items():
         if is_shardable(value):
             _check_shape(owner.fqns[0], name, value, handle.layout.shapes[index])
@@ -228,8 +228,8 @@ def _flat_tensor_shard(owner: Owner, name: str, values: list[Any]) -> torch.Tens
     """Rule 1: the originals' tensors (zeros where missing) laid out as the flat parameter
     is, and this rank's shard of that."""
     instance = owner.instance
-    assert instance is not None and instance._handle is not None
-    layout, shard = instance._handle.layout, instance._handle.rank_shard
+    assert instance is not None and instance.handle is not None
+    layout, shard = instance.handle.layout, instance.handle.rank_shard
     dtypes = sorted({str(v.dtype) for v in values if v is not None})
     if len(dtypes) > 1:
         raise ValueError(
@@ -237,7 +237,7 @@ def _flat_tensor_shard(owner: Owner, name: str, values: list[Any]) -> torch.Tens
             f"one FlatParameter, must have one dtype, got {dtypes}"
         )
     dtype = next(v.dtype for v in values if v is not None)
-    flat = torch.zeros(layout.padded_numel, dtype=dtype, device=instance.compute_device)
+    flat = torch.zeros(layout.padded_numel, dtype=dtype, device=instance.device)
     for i, (fqn, value) in enumerate(zip(owner.fqns, values)):
         if value is None:
             continue

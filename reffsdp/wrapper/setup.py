@@ -36,11 +36,14 @@ _ARGUMENT_TYPES: dict[str, type] = {
 }
 
 
+_CHECKED = (*_ARGUMENT_TYPES, "process_group", "param_init_fn")  # in the order checked
+
+
 def check_arguments(module: Any, wrapper_cls: type, **arguments: Any) -> None:
     """Refuse a module that cannot be wrapped and arguments of the wrong type, by name.
 
-    ``arguments`` are the constructor's keyword arguments named in ``_ARGUMENT_TYPES``
-    (each may be ``None``), ``process_group`` and ``param_init_fn``.
+    ``arguments`` are the constructor's keyword arguments; those named in ``_ARGUMENT_TYPES``
+    (each may be ``None``), ``process_group`` and ``param_init_fn`` are checked.
     """
     if isinstance(module, wrapper_cls):
         raise ValueError(
@@ -51,7 +54,8 @@ def check_arguments(module: Any, wrapper_cls: type, **arguments: Any) -> None:
         )
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {_describe(module)}")
-    for name, value in arguments.items():
+    for name in _CHECKED:
+        value = arguments.get(name)
         if name == "process_group":
             _check_process_group(value)
         elif name == "param_init_fn":
@@ -405,7 +409,7 @@ def materialize(
     wrapper_cls: type,
 ) -> None:
     """Modules built on the meta device get real storage, once each."""
-    for sub in _unwrapped_modules(module, ignored_modules, wrapper_cls):
+    for sub in unwrapped_modules(module, ignored_modules, _is_instance(wrapper_cls)):
         tensors = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
         if not any(t.is_meta for t in tensors):
             continue
@@ -423,12 +427,14 @@ def materialize(
         reset()
 
 
-def _unwrapped_modules(module, ignored_modules, wrapper_cls) -> list[nn.Module]:
+def unwrapped_modules(
+    module: nn.Module, ignored_modules: set[nn.Module], is_wrapper: Callable[[nn.Module], bool]
+) -> list[nn.Module]:
     """``module``'s tree without ignored subtrees and without nested wrappers' trees."""
     found = []
 
     def visit(m: nn.Module) -> None:
-        if m in ignored_modules or (m is not module and isinstance(m, wrapper_cls)):
+        if m in ignored_modules or (m is not module and is_wrapper(m)):
             return
         found.append(m)
         for child in m.children():
@@ -438,11 +444,15 @@ def _unwrapped_modules(module, ignored_modules, wrapper_cls) -> list[nn.Module]:
     return found
 
 
+def _is_instance(wrapper_cls: type) -> Callable[[nn.Module], bool]:
+    return lambda module: isinstance(module, wrapper_cls)
+
+
 def managed_params(module, ignored_modules, ignored_params, wrapper_cls, wrapped_name):
     """``[(param, [(owner module, attribute name, fqn), ...])]`` this instance flattens."""
     entries: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
     prefixes = {id(module): ""}
-    for sub in _unwrapped_modules(module, ignored_modules, wrapper_cls):
+    for sub in unwrapped_modules(module, ignored_modules, _is_instance(wrapper_cls)):
         prefix = prefixes[id(sub)]
         for child_name, child in sub.named_children():
             prefixes.setdefault(id(child), f"{prefix}{child_name}.")

@@ -60,7 +60,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -91,12 +91,7 @@ from ..core.torch_internals import (
 )
 from . import full_params
 from .full_params import WRAPPER_PREFIX as WRAPPED_PREFIX
-from .full_params import _name
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-FLAT_PARAM = "_flat_param"
+from .state import FLAT_PARAM, WrapperState, state_of, states_under
 
 _CONFIG_TYPES: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -113,36 +108,38 @@ def clean_name(name: str) -> str:
 # -- settings -------------------------------------------------------------------------------
 
 
-def init_state_dict(instance: FullyShardedDataParallel, device_mesh: Any) -> None:
-    """At construction: FULL_STATE_DICT with default configs, and the four hooks."""
-    instance._device_mesh = device_mesh  # sharded state dicts then give DTensors
+def init_state_dict(instance: WrapperState, device_mesh: Any) -> None:
+    """At construction: FULL_STATE_DICT with default configs, and the four hooks (on the
+    instance's module, each finding the instance's state there)."""
+    instance.device_mesh = device_mesh  # sharded state dicts then give DTensors
     if device_mesh is None:
         _forget_inherited_mesh(instance)
-    instance._state_dict_type = StateDictType.FULL_STATE_DICT
-    instance._state_dict_config = FullStateDictConfig()
-    instance._optim_state_dict_config = FullOptimStateDictConfig()
-    instance._orig_buffer_dtypes = _own_buffer_dtypes(instance)
-    instance.register_state_dict_pre_hook(_pre_state_dict_hook)
-    instance.register_state_dict_post_hook(_post_state_dict_hook)
-    instance.register_load_state_dict_pre_hook(_pre_load_state_dict_hook)
-    instance.register_load_state_dict_post_hook(_post_load_state_dict_hook)
+    instance.state_dict_settings = StateDictSettings(
+        StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
+    )
+    instance.orig_buffer_dtypes = _own_buffer_dtypes(instance)
+    module = instance.module
+    module.register_state_dict_pre_hook(_pre_state_dict_hook)
+    module.register_state_dict_post_hook(_post_state_dict_hook)
+    module.register_load_state_dict_pre_hook(_pre_load_state_dict_hook)
+    module.register_load_state_dict_post_hook(_post_load_state_dict_hook)
 
 
-def _forget_inherited_mesh(root: FullyShardedDataParallel) -> None:
+def _forget_inherited_mesh(root: WrapperState) -> None:
     """Children that auto-wrapping gave the mesh a hybrid root built from its process groups
     were, like the root, given process groups: no DTensors, and LOCAL_STATE_DICT works."""
-    built = root._mesh_info.mesh
-    for child in _instances(root)[1:]:
-        if built is not None and child._device_mesh is built:
-            child._device_mesh = None
+    built = root.mesh_info.mesh
+    for child in states_under(root.module)[1:]:
+        if built is not None and child.device_mesh is built:
+            child.device_mesh = None
 
 
-def _own_buffer_dtypes(instance: FullyShardedDataParallel) -> dict[str, torch.dtype]:
+def _own_buffer_dtypes(instance: WrapperState) -> dict[str, torch.dtype]:
     """Clean names (below the wrapped module) and dtypes of the floating-point buffers of
     the modules this instance owns, before mixed precision casts them."""
-    own = {id(m) for m in instance._own_modules()}
+    own = {id(m) for m in instance.own_modules()}
     dtypes = {}
-    for name, module in instance._fsdp_wrapped_module.named_modules(remove_duplicate=False):
+    for name, module in instance.wrapped.named_modules(remove_duplicate=False):
         if id(module) not in own:
             continue
         for buffer_name, buffer in module.named_buffers(recurse=False):
@@ -183,17 +180,18 @@ def set_state_dict_type(
                 f"{state_dict_type} needs a {expected.__name__}"
             )
     previous = None
-    for instance in _instances(module):
-        settings = _settings(instance)
+    for instance in states_under(module):
+        settings = instance.state_dict_settings
+        assert settings is not None
         if previous is None:
             previous = settings
         elif settings.state_dict_type != previous.state_dict_type or type(
             settings.state_dict_config
         ) is not type(previous.state_dict_config):
             raise AssertionError("every FullyShardedDataParallel must share one state-dict type")
-        instance._state_dict_type = state_dict_type
-        instance._state_dict_config = state_dict_config
-        instance._optim_state_dict_config = optim_state_dict_config
+        instance.state_dict_settings = StateDictSettings(
+            state_dict_type, state_dict_config, optim_state_dict_config
+        )
     if previous is None:  # torch returns a settings object of Nones here
         return StateDictSettings(None, None, None)  # type: ignore[arg-type]
     return previous
@@ -202,8 +200,8 @@ def set_state_dict_type(
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     """The settings every instance under ``module`` shares (``AssertionError`` if they differ)."""
     found: StateDictSettings | None = None
-    for instance in _instances(module):
-        settings = _settings(instance)
+    for instance in states_under(module):
+        settings = instance.state_dict_settings
         if found is None:
             found = settings
         elif settings != found:
@@ -242,45 +240,35 @@ def state_dict_type(
             )
 
 
-def _instances(module: nn.Module) -> list[FullyShardedDataParallel]:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-    return FullyShardedDataParallel.fsdp_modules(module)
-
-
-def _settings(instance: FullyShardedDataParallel) -> StateDictSettings:
-    return StateDictSettings(
-        instance._state_dict_type, instance._state_dict_config, instance._optim_state_dict_config
-    )
+def _settings(instance: WrapperState) -> StateDictSettings:
+    assert instance.state_dict_settings is not None, "init_state_dict() sets them"
+    return instance.state_dict_settings
 
 
-def _effective_type(instance: FullyShardedDataParallel) -> StateDictType:
+def _effective_type(instance: WrapperState) -> StateDictType:
     """The type in force; NO_SHARD instances have only full state dicts, as in torch."""
-    local = instance._state_dict_type is StateDictType.LOCAL_STATE_DICT
-    if local and instance._device_mesh is not None:
+    kind = _settings(instance).state_dict_type
+    if kind is StateDictType.LOCAL_STATE_DICT and instance.device_mesh is not None:
         raise RuntimeError(
-            f"{_name(instance)} was given a device_mesh: LOCAL_STATE_DICT is not supported "
+            f"{instance} was given a device_mesh: LOCAL_STATE_DICT is not supported "
             "with one (as in torch); use SHARDED_STATE_DICT"
         )
-    if instance.sharding_strategy is ShardingStrategy.NO_SHARD:
-        if instance._state_dict_type is not StateDictType.FULL_STATE_DICT:
+    if instance.strategy is ShardingStrategy.NO_SHARD:
+        if kind is not StateDictType.FULL_STATE_DICT:
             warnings.warn(
-                f"{_name(instance)} uses NO_SHARD: "
-                f"it saves and loads a full state dict instead of {instance._state_dict_type}",
+                f"{instance} uses NO_SHARD: it saves and loads a full state dict instead of {kind}",
                 stacklevel=4,
             )
         return StateDictType.FULL_STATE_DICT
-    return instance._state_dict_type
+    return kind
 
 
-def param_names(instance: FullyShardedDataParallel) -> list[str]:
+def param_names(instance: WrapperState) -> list[str]:
     """Every name under which ``nn.Module.state_dict`` lists a parameter of this instance's
     flat parameter, below the wrapped module, without wrapper prefixes: a tied parameter
     under each of its names, a shared module's parameters under each path to the module,
     at the modules' current paths (see [Note: names in state dicts])."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-
-    handle = instance._handle
+    handle = instance.handle
     if handle is None:
         return []
     shown: dict[int, dict[str, None]] = {}  # id(module) -> its attributes that are ours
@@ -293,10 +281,10 @@ def param_names(instance: FullyShardedDataParallel) -> list[str]:
         for name in shown.get(id(module), ()):
             names[clean_name(path + name)] = None
         for child_name, child in registered_children(module).items():
-            if child is not None and not isinstance(child, FullyShardedDataParallel):
+            if child is not None and state_of(child) is None:
                 visit(child, f"{path}{child_name}.")
 
-    visit(instance._fsdp_wrapped_module, "")
+    visit(instance.wrapped, "")
     return list(names)
 
 
@@ -305,10 +293,8 @@ def param_names(instance: FullyShardedDataParallel) -> list[str]:
 # full size: the same window as ``summon_full_params`` on one instance (full precision, the
 # forward's low-precision buffers set aside), opened in the pre-hook and closed in the post.
 
-_WINDOW = "_state_dict_full_params"
 
-
-def unshard_as_params(instance: FullyShardedDataParallel, *, write_back: bool) -> None:
+def unshard_as_params(instance: WrapperState, *, write_back: bool) -> None:
     """Show the originals at full size until :func:`reshard`; with ``write_back``, what is
     loaded into them is kept in the shards."""
     window = contextlib.ExitStack()
@@ -321,29 +307,35 @@ def unshard_as_params(instance: FullyShardedDataParallel, *, write_back: bool) -
             with_grads=False,
         )
     )
-    instance.__dict__[_WINDOW] = window
+    instance.state_dict_window = window
 
 
-def reshard(instance: FullyShardedDataParallel) -> None:
+def reshard(instance: WrapperState) -> None:
     """Close the window :func:`unshard_as_params` opened."""
-    instance.__dict__.pop(_WINDOW).close()
+    window, instance.state_dict_window = instance.state_dict_window, None
+    assert window is not None, f"{instance}: no state-dict window is open"
+    window.close()
 
 
 # -- saving -----------------------------------------------------------------------------------
 
 
-def _pre_state_dict_hook(instance: FullyShardedDataParallel, prefix: str, keep_vars: bool) -> None:
+def _pre_state_dict_hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    instance = state_of(module)
+    assert instance is not None
     if _effective_type(instance) is not StateDictType.LOCAL_STATE_DICT:
         unshard_as_params(instance, write_back=False)
 
 
 def _post_state_dict_hook(
-    instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str, _: Any
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, _: Any
 ) -> None:
+    instance = state_of(module)
+    assert instance is not None
     _replace_prefix(state_dict, prefix + WRAPPED_PREFIX, prefix)
     kind = _effective_type(instance)
-    config = instance._state_dict_config
-    handle = instance._handle
+    config = _settings(instance).state_dict_config
+    handle = instance.handle
     if kind is StateDictType.LOCAL_STATE_DICT:
         if handle is not None:
             state_dict[prefix + FLAT_PARAM] = _local_flat_param(instance, config.offload_to_cpu)
@@ -373,27 +365,25 @@ def _post_state_dict_hook(
         reshard(instance)
 
 
-def _restore_buffer_dtypes(
-    instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str
-) -> None:
+def _restore_buffer_dtypes(instance: WrapperState, state_dict: dict[str, Any], prefix: str):
     """Full and sharded state dicts hold buffers in the dtype they had before the
     instance's ``MixedPrecision.buffer_dtype`` cast them, as torch's do (local ones keep the
     cast)."""
-    buffer_dtype = instance.mixed_precision.buffer_dtype
+    buffer_dtype = instance.settings.mixed_precision.buffer_dtype
     if buffer_dtype is None:
         return
-    for name, dtype in instance._orig_buffer_dtypes.items():
+    for name, dtype in instance.orig_buffer_dtypes.items():
         value = state_dict.get(prefix + name)
         if isinstance(value, torch.Tensor) and value.dtype == buffer_dtype != dtype:
             state_dict[prefix + name] = value.to(dtype)
 
 
-def _own_keys(instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str):
+def _own_keys(instance: WrapperState, state_dict: dict[str, Any], prefix: str):
     """Keys below ``prefix`` that no nested instance saved (this instance's tensors)."""
     nested = tuple(
         prefix + clean_name(f"{name}.")
-        for name, module in instance._fsdp_wrapped_module.named_modules()
-        if name and isinstance(module, type(instance))
+        for name, module in instance.wrapped.named_modules()
+        if name and state_of(module) is not None
     )
     return [k for k in state_dict if k.startswith(prefix) and not k.startswith(nested)]
 
@@ -405,9 +395,9 @@ def _copy(tensor: torch.Tensor, to_cpu: bool) -> torch.Tensor:
     return tensor.detach().clone()
 
 
-def _local_flat_param(instance: FullyShardedDataParallel, to_cpu: bool) -> torch.Tensor:
+def _local_flat_param(instance: WrapperState, to_cpu: bool) -> torch.Tensor:
     """This rank's shard of the flat parameter, tail padding dropped, as a 1-D ShardedTensor."""
-    handle = instance._handle
+    handle = instance.handle
     assert handle is not None
     layout, rank = handle.layout, instance.rank
     chunks = _flat_chunks(layout.total_numel, layout.shard_numel, instance.world_size)
@@ -433,19 +423,17 @@ def _flat_chunks(total: int, shard_numel: int, world_size: int) -> list[tuple[in
     return chunks
 
 
-def _use_dtensor(instance: FullyShardedDataParallel, config: Any) -> bool:
-    return bool(getattr(config, "_use_dtensor", False)) or instance._device_mesh is not None
+def _use_dtensor(instance: WrapperState, config: Any) -> bool:
+    return bool(getattr(config, "_use_dtensor", False)) or instance.device_mesh is not None
 
 
-def chunk_sharded(
-    full: torch.Tensor, instance: FullyShardedDataParallel, use_dtensor: bool
-) -> torch.Tensor:
+def chunk_sharded(full: torch.Tensor, instance: WrapperState, use_dtensor: bool) -> torch.Tensor:
     """``full`` chunked on dim 0 over the instance's shard group: this rank keeps a clone of
     its chunk. Three rows on two ranks: rank 0 keeps rows 0-1, rank 1 row 2."""
     world_size, rank = instance.world_size, instance.rank
     chunks = full.chunk(world_size, dim=0)
     if use_dtensor:
-        mesh_info = instance._mesh_info
+        mesh_info = instance.mesh_info
         placements = [Replicate()] * mesh_info.mesh.ndim
         placements[mesh_info.shard_mesh_dim] = DShard(0)
         local = chunks[rank].clone() if rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
@@ -469,12 +457,12 @@ def _sharded_tensor(
     layout: list[tuple[list[int], list[int]]],
     size: torch.Size,
     dtype: torch.dtype,
-    instance: FullyShardedDataParallel,
+    instance: WrapperState,
 ) -> torch.Tensor:
     """A ShardedTensor from this rank's shards and every shard's (offsets, sizes), built
     without communication (every rank computes the same layout)."""
     group = instance.process_group
-    device = instance.compute_device.type
+    device = instance.device.type
     placed = [
         (offsets, sizes, f"rank:{dist.get_global_rank(group, r)}/{_device(device, r)}")
         for r, (offsets, sizes) in enumerate(layout)
@@ -488,7 +476,7 @@ def _device(device_type: str, rank: int) -> str:
     return f"{device_type}:{rank % max(torch.accelerator.device_count(), 1)}"
 
 
-def full_tensor(value: torch.Tensor, instance: FullyShardedDataParallel) -> torch.Tensor:
+def full_tensor(value: torch.Tensor, instance: WrapperState) -> torch.Tensor:
     """A DTensor or dim-0-chunked ShardedTensor gathered whole; plain tensors as they are."""
     if isinstance(value, DTensor):
         return value.full_tensor()
@@ -497,7 +485,7 @@ def full_tensor(value: torch.Tensor, instance: FullyShardedDataParallel) -> torc
     size = value.size()
     group, world_size = instance.process_group, instance.world_size
     rows = -(-size[0] // world_size)
-    device = instance.compute_device
+    device = instance.device
     padded = torch.zeros((rows, *size[1:]), dtype=value.dtype, device=device)
     local = value.local_shards()
     if len(local) > 1:
@@ -513,10 +501,12 @@ def full_tensor(value: torch.Tensor, instance: FullyShardedDataParallel) -> torc
 
 
 def _pre_load_state_dict_hook(
-    instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str, *_: Any
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any
 ) -> None:
+    instance = state_of(module)
+    assert instance is not None
     kind = _effective_type(instance)
-    handle = instance._handle
+    handle = instance.handle
     if kind is StateDictType.LOCAL_STATE_DICT:
         if handle is not None:
             _load_local_flat_param(instance, state_dict, prefix)
@@ -538,20 +528,20 @@ def _pre_load_state_dict_hook(
     _replace_prefix(state_dict, prefix, prefix + WRAPPED_PREFIX)
 
 
-def _post_load_state_dict_hook(instance: FullyShardedDataParallel, incompatible: Any) -> None:
+def _post_load_state_dict_hook(module: nn.Module, incompatible: Any) -> None:
+    instance = state_of(module)
+    assert instance is not None
     if _effective_type(instance) is not StateDictType.LOCAL_STATE_DICT:
         reshard(instance)
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
         keys[:] = [clean_name(key) for key in keys]
 
 
-def _wrong_type(
-    instance: FullyShardedDataParallel, key: str, value: Any, kind: StateDictType
-) -> NoReturn:
+def _wrong_type(instance: WrapperState, key: str, value: Any, kind: StateDictType) -> NoReturn:
     """Raise for a value that ``kind`` cannot load: what it is, what saves such values, and
     how this instance shards (a plain tensor at a SHARDED load, say, may come from a model on
     one rank, which runs as NO_SHARD and saves plain tensors for every type)."""
-    name, found = _name(instance), _describe(value)
+    name, found = str(instance), _describe(value)
     here = _how_sharded(instance)
     if kind is StateDictType.LOCAL_STATE_DICT:
         problem = (
@@ -567,7 +557,7 @@ def _wrong_type(
             f"SHARD_GRAD_OP become on a single rank) saves for every type; this instance {here}"
         )
         remedy = "Load it inside FullyShardedDataParallel.state_dict_type(model, FULL_STATE_DICT)"
-    elif instance.sharding_strategy is ShardingStrategy.NO_SHARD:
+    elif instance.strategy is ShardingStrategy.NO_SHARD:
         problem = (
             f"{name} {here}, but {key!r} is {found}, saved by a model that sharded its "
             "parameters (a SHARDED_STATE_DICT)"
@@ -597,14 +587,14 @@ def _describe(value: Any) -> str:
     return f"a plain {type(value).__name__}"
 
 
-def _how_sharded(instance: FullyShardedDataParallel) -> str:
-    mesh_info = instance._mesh_info
-    if instance.sharding_strategy is ShardingStrategy.NO_SHARD:
+def _how_sharded(instance: WrapperState) -> str:
+    mesh_info = instance.mesh_info
+    if instance.strategy is ShardingStrategy.NO_SHARD:
         return (
             f"uses NO_SHARD on {_ranks(mesh_info.replicate_size)}: its parameters are whole "
             "on every rank, and it saves and loads plain tensors for every state-dict type"
         )
-    strategy = instance.sharding_strategy.name
+    strategy = instance.strategy.name
     return f"shards its parameters over {_ranks(mesh_info.shard_size)} ({strategy})"
 
 
@@ -612,11 +602,9 @@ def _ranks(count: int) -> str:
     return f"{count} rank{'s' if count > 1 else ''}"
 
 
-def _load_local_flat_param(
-    instance: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str
-) -> None:
+def _load_local_flat_param(instance: WrapperState, state_dict: dict[str, Any], prefix: str) -> None:
     """Check that a LOCAL entry fits this world size and turn it into the padded shard."""
-    handle = instance._handle
+    handle = instance.handle
     assert handle is not None
     key = prefix + FLAT_PARAM
     if key not in state_dict:
@@ -629,7 +617,7 @@ def _load_local_flat_param(
     saved = [(m.shard_offsets[0], m.shard_sizes[0]) for m in value.metadata().shards_metadata]
     if saved != expected or value.size() != torch.Size([layout.total_numel]):
         raise ValueError(
-            f"{_name(instance)}: the LOCAL_STATE_DICT entry {key!r} was saved by "
+            f"{instance}: the LOCAL_STATE_DICT entry {key!r} was saved by "
             f"{len(saved)} ranks holding (offset, numel) {saved} of {value.size().numel()} "
             f"elements, but this instance shards {layout.total_numel} elements over "
             f"{instance.world_size} ranks as {expected}. A local state dict loads only at the "

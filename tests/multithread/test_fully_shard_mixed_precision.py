@@ -10,8 +10,11 @@ The two sides differ only in how the fp32 average is formed (DDP divides then su
 reduce-scatter averages), which over 2 or 4 ranks gives the same bits.
 """
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from reffsdp import MixedPrecisionPolicy, fully_shard
@@ -104,3 +107,30 @@ class TestFullyShardMixedPrecisionWorldSize4(TestFullyShardMixedPrecision):
     @property
     def world_size(self) -> int:
         return 4
+
+    def test_full_precision_window_between_forward_and_backward(self):
+        """``ParamGroup.unsharded_in_full_precision`` (behind the wrapper's
+        ``summon_full_params``) on ``ShardedParam`` members: the full fp32 values are shown,
+        and the bf16 buffers the pending backward saved come back, so backward gives the
+        very gradients it gives without the window."""
+        _, plain = reference_and_model(nn.Linear(8, 8))
+        windowed = copy.deepcopy(plain)
+        full_weight = plain.weight.detach().clone()
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for model in (plain, windowed):
+            fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+        inputs = make_inputs(0, self.rank)
+        plain(inputs).sum().backward()
+        loss = windowed(inputs).sum()
+        group = windowed._get_fsdp_state().group
+        self.assertTrue(group.is_unsharded)
+        with group.unsharded_in_full_precision():
+            self.assertEqual(windowed.weight.dtype, torch.float32)
+            self.assertEqual(windowed.weight.shape, full_weight.shape)
+            torch.testing.assert_close(windowed.weight.detach(), full_weight, rtol=0, atol=0)
+        self.assertTrue(group.is_unsharded)
+        self.assertEqual([m.param_dtype for m in group.members], [torch.bfloat16] * 2)
+        loss.backward()
+        for name, param in plain.named_parameters():
+            other = windowed.get_parameter(name)
+            torch.testing.assert_close(other.grad.to_local(), param.grad.to_local(), rtol=0, atol=0)

@@ -229,3 +229,35 @@ def test_a_process_that_ends_right_after_threaded_runs_exits_cleanly(tmp_path):
     for _ in range(5):
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_whose_start_an_interrupt_cut_short_is_stopped_too(monkeypatch):
+    """[Note: an interrupted run]: Ctrl-C can end ``Thread.start`` before the new thread
+    has begun; that thread begins anyway and must not outlive the run (one left running
+    into interpreter shutdown aborted the parity command in about one Ctrl-C of ten)."""
+    real_start = threading.Thread.start
+    begun = threading.Event()
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name != "rank1":
+            real_start(thread)
+            return
+
+        def late_start() -> None:
+            time.sleep(0.2)
+            real_start(thread)
+            begun.set()
+
+        threading.Thread(target=late_start, name="late-start").start()
+        raise KeyboardInterrupt  # as if Ctrl-C came while start() waited
+
+    def rank_main(rank: int) -> None:
+        if rank == 1:
+            time.sleep(30)  # ends with the run (see [Note: stopping a rank thread])
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(KeyboardInterrupt):
+        run_threaded(rank_main, 2)
+    assert begun.is_set()
+    assert [t.name for t in threading.enumerate() if t.name.startswith("rank")] == []

@@ -161,10 +161,10 @@ def all_reduce_skipped(tensor, op=None, group=None, async_op=False):
 @contextlib.contextmanager
 def wrong_wrapper_divide_factor(model) -> Iterator[None]:
     """Every instance's flat reduce divides by 1 (a sum) instead of by the world size."""
-    from reffsdp import FullyShardedDataParallel
+    from reffsdp.wrapper.state import states_under
 
     model.check_is_root()  # lazy init first: it would not undo the setting, but be explicit
-    groups = [m._group for m in FullyShardedDataParallel.fsdp_modules(model) if m._group]
+    groups = [state.group for state in states_under(model) if state.group is not None]
     for group in groups:
         group.configure(gradient_divide_factor=1.0)
     try:

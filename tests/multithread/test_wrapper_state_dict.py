@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from unittest import mock
 
 import pytest
@@ -49,6 +50,7 @@ from reffsdp.testing.parity import (
     train_step,
 )
 from reffsdp.wrap import ModuleWrapPolicy
+from reffsdp.wrapper.state import state_of
 
 # set_state_dict_type warns that torch deprecates it, as torch's does
 pytestmark = [pytest.mark.multithread, pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -313,7 +315,10 @@ class TestWrapperStateDict(NextToTorchsWrapper):
             with self.assertRaisesRegex(RuntimeError, "Expected state_dict_config of type"):
                 with wrapper_cls.state_dict_type(wrapped, kind, config):
                     pass
-        model.layers[0]._state_dict_type = FULL  # instances that disagree
+        disagreeing = state_of(model.layers[0])  # an instance whose type differs
+        disagreeing.state_dict_settings = dataclasses.replace(
+            disagreeing.state_dict_settings, state_dict_type=FULL
+        )
         with self.assertRaisesRegex(AssertionError, "share one state-dict"):
             FSDP.get_state_dict_type(model)
 

@@ -38,6 +38,7 @@ from reffsdp.testing.parity import (
     check_train_parity,
     unflattened_params,
 )
+from reffsdp.wrapper.state import states_under
 
 pytestmark = pytest.mark.multithread
 
@@ -285,7 +286,7 @@ class TestWrapperHybridTraining(WrapperTrainChecks, FSDPTestMultiThread):
         def check(how):
             kwargs = self.hybrid_kwargs(how) if how else {}
             model = wrap_blocks(MLPBlocks(DIM), {MLP}, sharding_strategy=S.HYBRID_SHARD, **kwargs)
-            infos = [m._mesh_info for m in FullyShardedDataParallel.fsdp_modules(model)]
+            infos = [state.mesh_info for state in states_under(model)]
             self.assertGreater(len(infos), 1)
             for info in infos[1:]:
                 self.assertIs(info.shard_group, infos[0].shard_group)
