@@ -100,16 +100,25 @@ class CollectiveRecorder:
         self._ranks: dict[str, list[int]] = {}
         self.closing = False  # set by the harness before its last barrier
         self.last: Issued | None = None  # the latest collective this rank issued
+        self._originals: dict[str, Callable[..., Any]] = {}  # what install() replaced
 
     def install(self) -> None:
         """Record every collective method call of every group of this process.
 
-        Patches ``ProcessGroup`` for good: a rank process runs one test and exits.
+        Patches ``ProcessGroup`` until :meth:`uninstall`: a spawned rank process runs one
+        test and exits, a joined rank's process goes on to the next.
         """
         for method in _COLLECTIVE_METHODS:
             original = getattr(dist.ProcessGroup, method, None)
             if original is not None:
+                self._originals[method] = original
                 setattr(dist.ProcessGroup, method, self._recorded(method, original))
+
+    def uninstall(self) -> None:
+        """Give ``ProcessGroup`` back the methods :meth:`install` replaced."""
+        for method, original in self._originals.items():
+            setattr(dist.ProcessGroup, method, original)
+        self._originals.clear()
 
     def _recorded(self, method: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def collective(group: dist.ProcessGroup, *args: Any, **kwargs: Any) -> Any:
