@@ -47,6 +47,9 @@ harness):
 Besides these, the first ``fully_shard`` call or wrapper built replaces the hook methods of
 the core's iteration driver (``core/driver.py``) with dynamo-disabled versions, once, and the
 first wrapper built those of its own class (``core/compile_support.py``).
+``python -m reffsdp.swap`` rebinds the public names of torch's FSDP modules to this
+package's objects, for good, in the process it runs a program in ([Note: the swap] in
+``swap.py``); importing reffsdp never does.
 Every private torch API reffsdp calls is in ``core/torch_internals.py`` (overrides of
 private methods in subclasses aside: see [Note: private torch APIs] there).
 """

@@ -9,6 +9,11 @@ losses, gradients, parameters and the collectives issued agree, scenario by scen
     python -m reffsdp.testing --api wrapper --only '*/bf16/*' --json out.json
     python -m reffsdp.testing --backend nccl --world-size 1 --junit-xml parity.xml
     python -m reffsdp.testing --self-test                    # are planted bugs caught?
+    torchrun --nproc-per-node 4 -m reffsdp.testing           # joins torchrun's (or srun's) world
+
+Under a launcher (torchrun, srun) every rank runs this command: it joins the launched
+world instead of starting ranks (:mod:`reffsdp.testing.launch` decides), every rank selects
+the same scenarios, and rank 0 alone prints and writes the reports.
 
 The exit status is 0 when every scenario passed or was skipped, but not when every one was
 skipped unless ``--allow-skips`` is given (for ``--self-test``: when every planted bug was
@@ -20,6 +25,7 @@ Formatting lives in :mod:`reffsdp.testing.report`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -38,6 +44,7 @@ import torch
 from rich.console import Console
 
 from . import report
+from .launched_world import LaunchedEnv, LaunchError, read_launched_env
 
 # What this command line uses of the engine, reffsdp.testing.parity_suite.
 ENGINE_NAMES = ("SuiteOptions", "list_scenarios", "run_suite", "run_self_test")
@@ -45,6 +52,7 @@ APIS = ("fully_shard", "wrapper", "naive")  # naive: reffsdp.naive, a suite scen
 MESHES = ("1d", "hsdp", "2d", "3d")
 DEFAULT_WORLD_SIZE = 4
 DEFAULT_STEPS = 3
+DEFAULT_TIMEOUT_S = 300.0
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
 
 
@@ -110,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--backend",
         choices=("threaded", "gloo", "nccl"),
-        default="threaded",
+        default=None,
         help="threaded: one thread per rank (default); gloo (CPU) or nccl (CUDA): one process "
-        "per rank",
+        "per rank (under torchrun or srun: nccl where CUDA is present, else gloo)",
     )
     run.add_argument(
         "--device",
@@ -123,10 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--world-size",
         type=_positive_int,
-        default=DEFAULT_WORLD_SIZE,
+        default=None,
         metavar="N",
-        help=f"ranks per scenario (default {DEFAULT_WORLD_SIZE}); threaded worlds grow for "
-        "scenarios that need more, process backends skip them",
+        help=f"ranks per scenario (default {DEFAULT_WORLD_SIZE}, or the launched world's); "
+        "threaded worlds grow for scenarios that need more, process backends skip them",
     )
     run.add_argument(
         "--steps",
@@ -136,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"training steps per scenario (default {DEFAULT_STEPS})",
     )
     run.add_argument("--seed", type=int, default=0, metavar="N", help="seed for models and inputs")
+    run.add_argument(
+        "--timeout",
+        type=_positive_int,
+        default=int(DEFAULT_TIMEOUT_S),
+        metavar="SECONDS",
+        help=f"per scenario (default {DEFAULT_TIMEOUT_S:g}); collectives time out with it",
+    )
     run.add_argument(
         "--allow-skips",
         action="store_true",
@@ -153,6 +168,16 @@ def _unique(values: Sequence[str]) -> tuple[str, ...]:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse combinations that cannot run here (``parser.error`` exits with status 2)."""
+    try:
+        args.launched = read_launched_env()
+    except LaunchError as error:
+        parser.error(str(error))
+    if args.launched is not None:
+        _join_launched(parser, args, args.launched)
+    if args.backend is None:
+        args.backend = "threaded"
+    if args.world_size is None:
+        args.world_size = DEFAULT_WORLD_SIZE
     if args.device is None:
         args.device = "cuda" if args.backend == "nccl" else "cpu"
     if args.self_test and "naive" in args.api:
@@ -164,17 +189,53 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.device == "cuda" and not torch.cuda.is_available():
         what = "--backend nccl" if args.backend == "nccl" else "--device cuda"
         parser.error(f"{what} needs CUDA, which is not available on this machine")
-    if args.backend == "nccl" and torch.cuda.device_count() < args.world_size:
+    if args.launched is not None and args.backend == "nccl":
+        _check_gpus_per_node(parser, args.launched)
+    elif args.backend == "nccl" and torch.cuda.device_count() < args.world_size:
         parser.error(
             f"--backend nccl runs one process per GPU: --world-size {args.world_size} needs "
             f"{args.world_size} GPUs, this machine has {torch.cuda.device_count()}; pass "
             "--world-size with at most that many (or use --backend threaded --device cuda)"
         )
-    if not args.list:
+    if not args.list and _reports(args):
         for flag, path in (("--json", args.json), ("--junit-xml", args.junit_xml)):
             problem = None if path is None else _unwritable(path)
             if problem:
                 parser.error(f"{flag} {path}: {problem}; give a file name you can write")
+
+
+def _join_launched(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, launched: LaunchedEnv
+) -> None:
+    """Take backend and world size from the launched world; a different one given is a
+    usage error naming both."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    where = f"{launched.launcher} launched {launched.world_size} ranks"
+    if args.backend not in (None, backend):
+        parser.error(
+            f"--backend {args.backend} conflicts with the launched world: {where}, which "
+            f"runs on {backend} here; drop --backend"
+        )
+    if args.world_size not in (None, launched.world_size):
+        parser.error(
+            f"--world-size {args.world_size} conflicts with the launched world: {where}; "
+            "drop --world-size (or launch that many ranks)"
+        )
+    args.backend, args.world_size = backend, launched.world_size
+
+
+def _check_gpus_per_node(parser: argparse.ArgumentParser, launched: LaunchedEnv) -> None:
+    gpus = torch.cuda.device_count()
+    if gpus < launched.local_world_size:
+        parser.error(
+            f"{launched.launcher} put {launched.local_world_size} ranks on this node, which "
+            f"has {gpus} GPUs; nccl runs one rank per GPU: launch at most {gpus} per node"
+        )
+
+
+def _reports(args: argparse.Namespace) -> bool:
+    """Whether this process prints and writes the reports: rank 0 of a launched world."""
+    return args.launched is None or args.launched.rank == 0
 
 
 def _unwritable(path: str) -> str | None:
@@ -210,6 +271,8 @@ def suite_options(engine_module: ModuleType, args: argparse.Namespace) -> Any:
         exclude=_unique(args.exclude),
         steps=args.steps,
         seed=args.seed,
+        nodes=1 if args.launched is None else args.launched.nodes,
+        timeout_s=float(args.timeout),
     )
 
 
@@ -296,6 +359,7 @@ def run_info(
         device_name=_device_name(args.device),
         backend=args.backend,
         world_size=args.world_size,
+        **_launch_fields(args),
         seed=args.seed,
         steps=args.steps,
         started=started.isoformat(timespec="seconds"),
@@ -304,6 +368,16 @@ def run_info(
             flag: list(_unique(getattr(args, flag))) for flag in ("api", "mesh", "only", "exclude")
         },
     )
+
+
+def _launch_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """How the ranks came to be: ``launcher`` (spawn: this command started them), nodes
+    and ranks per node."""
+    launched = args.launched
+    if launched is None:
+        return {"launcher": "spawn", "nodes": 1, "ranks_per_node": args.world_size}
+    nodes, per_node = launched.nodes, launched.local_world_size
+    return {"launcher": launched.launcher, "nodes": nodes, "ranks_per_node": per_node}
 
 
 def _write(path: str, data: bytes) -> None:
@@ -381,7 +455,7 @@ def run_suite(engine_module: ModuleType, args: argparse.Namespace, options: Any,
     print(
         f"reffsdp parity suite: {_count(total, 'scenario')}, {args.backend} backend on "
         f"{args.device}, world size {args.world_size}, {_count(args.steps, 'step')}, "
-        f"seed {args.seed}",
+        f"seed {args.seed}{_launched_by(args)}",
         flush=True,
     )
     progress = Progress(sys.stdout, total)
@@ -415,6 +489,14 @@ def run_suite(engine_module: ModuleType, args: argparse.Namespace, options: Any,
         )
         return 1
     return 0
+
+
+def _launched_by(args: argparse.Namespace) -> str:
+    launched = args.launched
+    if launched is None:
+        return ""
+    nodes = _count(launched.nodes, "node")
+    return f", launched by {launched.launcher}: {nodes} x {launched.local_world_size} ranks"
 
 
 def run_self_test(engine_module: ModuleType, args: argparse.Namespace, options: Any) -> int:
@@ -458,6 +540,14 @@ def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    if _reports(args):
+        return _run(parser, args)
+    args.json = args.junit_xml = None  # rank 0 of the launched world prints and writes
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        return _run(parser, args)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if hasattr(sys.stdout, "reconfigure"):  # the table's Δ on a terminal that lacks it
         sys.stdout.reconfigure(errors="replace")
     try:

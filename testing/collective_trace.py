@@ -91,21 +91,34 @@ class RankTrace:
 class CollectiveRecorder:
     """The rank-process side: numbers this rank's collectives and keeps its file current."""
 
-    def __init__(self, path: str) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    def __init__(self, path: str | None) -> None:
+        """``path``: the file kept current (``None``: only :attr:`last` is kept)."""
+        self._fd = (
+            None if path is None else os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        )
         self._counts: dict[str, int] = {}
         self._ranks: dict[str, list[int]] = {}
         self.closing = False  # set by the harness before its last barrier
+        self.last: Issued | None = None  # the latest collective this rank issued
+        self._originals: dict[str, Callable[..., Any]] = {}  # what install() replaced
 
     def install(self) -> None:
         """Record every collective method call of every group of this process.
 
-        Patches ``ProcessGroup`` for good: a rank process runs one test and exits.
+        Patches ``ProcessGroup`` until :meth:`uninstall`: a spawned rank process runs one
+        test and exits, a joined rank's process goes on to the next.
         """
         for method in _COLLECTIVE_METHODS:
             original = getattr(dist.ProcessGroup, method, None)
             if original is not None:
+                self._originals[method] = original
                 setattr(dist.ProcessGroup, method, self._recorded(method, original))
+
+    def uninstall(self) -> None:
+        """Give ``ProcessGroup`` back the methods :meth:`install` replaced."""
+        for method, original in self._originals.items():
+            setattr(dist.ProcessGroup, method, original)
+        self._originals.clear()
 
     def _recorded(self, method: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def collective(group: dist.ProcessGroup, *args: Any, **kwargs: Any) -> Any:
@@ -124,6 +137,9 @@ class CollectiveRecorder:
                 self._ranks[name] = []
         seq = self._counts.get(name, 0)
         self._counts[name] = seq + 1
+        self.last = Issued(op, name, tuple(self._ranks[name]), seq, self.closing)
+        if self._fd is None:
+            return
         last = {"op": op, "group": name, "ranks": self._ranks[name], "seq": seq}
         line = json.dumps({"last": last, "closing": self.closing, "counts": self._counts})
         os.pwrite(self._fd, line.encode() + b"\n", 0)

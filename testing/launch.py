@@ -16,14 +16,23 @@ measurement: the benchmark under ``reffsdp/bench`` already builds on ``reffsdp.t
 imports the benchmark, so the arrow keeps pointing one way.
 
 [Note: two ways to be a rank]
-Rank code is a function ``main(world, channel, *args)``: it sees only a :class:`RankWorld`
-(its rank, the world's size, where the world meets) and a channel to whoever waits for its
-results, and it builds the process group itself (:meth:`RankWorld.init_process_group`).
-:func:`spawn_ranks` is the "spawn ranks here" side: this process starts ``world_size``
-children, one pipe each, and is the launcher. A process started by a launcher outside
-Python (torchrun, srun) is already a rank: joining such a world means building its
-:class:`RankWorld` from the environment and running the same rank code, and belongs in
-this module, next to :func:`spawn_ranks`.
+Rank code is a function ``main(world, channel, *args)``: it sees only a world (its rank,
+the world's size, a folder of its own, how the world meets) and a channel to whoever waits
+for its results, and it builds the process group itself (``world.init_process_group``).
+:func:`start_ranks` decides how the ranks come to be, and is the one place that does:
+
+* spawn (:func:`spawn_ranks`): this process starts ``world_size`` children, one pipe
+  each, and is the launcher; each child's world is a :class:`RankWorld`.
+* join (:func:`join_ranks`): a launcher outside Python (torchrun, srun) started this
+  process as one rank of its world (:func:`launched_world` reads it from the environment:
+  [Note: reading a launched world] in :mod:`reffsdp.testing.launched_world`). The same rank
+  code runs on a thread of this process, its world a
+  :class:`~reffsdp.testing.launched_world.JoinedWorld`, and its channel leads back to this
+  process: :class:`JoinedRank` gives what it sent as :class:`RankProcesses` gives what
+  children sent, so the caller does not tell the two apart, except that it hears its own
+  rank only. Rank code that reports for the world does so on rank 0, and reads the other
+  ranks' failures from ``world.failures()`` ([Note: failures in a launched world]); a
+  spawned world's failures reach its launcher instead, so there it is empty.
 
 [Note: start methods]
 ``"spawn"`` starts each rank as a fresh interpreter, which imports torch itself (seconds)
@@ -64,6 +73,7 @@ import ctypes
 import dataclasses
 import multiprocessing
 import os
+import queue
 import shutil
 import signal
 import sys
@@ -79,10 +89,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .launched_world import JoinedWorld, read_launched_env
+
 START_METHODS = ("spawn", "forkserver")
 GRACE_S = 2.0  # how long a rank gets to end on SIGTERM (or on its own) before SIGKILL
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _ORPHANED_EXIT_CODE = 70  # a rank that found its launcher gone
+_BEAT_S = 0.5  # how often a joined rank beats (see [Note: failures in a launched world])
+_PEER_GRACE_S = 15.0  # how long a joined rank's work may go on silent after a peer failed
 
 RankMain = Callable[..., None]  # main(world: RankWorld, channel: Connection, *args)
 
@@ -99,9 +113,27 @@ class RankWorld:
     world_size: int
     directory: str
 
+    joined = False  # see [Note: two ways to be a rank]
+    launcher = "spawn"
+    nodes = 1
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self.world_size
+
     @property
     def store_path(self) -> str:
         return os.path.join(self.directory, "store")
+
+    def post_failure(self, text: str) -> None:
+        """Nothing to do: a spawned rank's failure reaches its launcher."""
+
+    def failures(self, wait_s: float) -> dict[int, str]:
+        return {}
 
     def init_process_group(self, backend: str, timeout: timedelta) -> None:
         """Build the default process group of this world, meeting through a file store."""
@@ -340,6 +372,133 @@ class RankProcesses:
         for channel in self._channels:
             channel.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# ---- joining a launched world -------------------------------------------------------------
+
+
+def launched_world() -> JoinedWorld | None:
+    """This process's rank of a world torchrun or srun started, or ``None`` when no
+    launcher started it; see [Note: two ways to be a rank]."""
+    env = read_launched_env()
+    return None if env is None else JoinedWorld(env)
+
+
+def start_ranks(
+    main: RankMain, world_size: int, args: Sequence[Any] = (), **spawn_options: Any
+) -> RankProcesses | JoinedRank:
+    """Join the launched world when there is one, else spawn ``world_size`` ranks
+    (``spawn_options`` go to :func:`spawn_ranks`); see [Note: two ways to be a rank]."""
+    world = launched_world()
+    if world is None:
+        return spawn_ranks(main, world_size, args, **spawn_options)
+    if world_size != world.world_size:
+        raise ValueError(
+            f"{world_size} ranks asked for, but {world.launcher} launched {world.world_size}"
+        )
+    return join_ranks(main, world, args)
+
+
+def join_ranks(main: RankMain, world: JoinedWorld, args: Sequence[Any] = ()) -> JoinedRank:
+    """Run ``main(world, channel, *args)`` as this process's rank of ``world``."""
+    return JoinedRank(main, world, tuple(args))
+
+
+class _LocalChannel:
+    """A joined rank's channel: what it sends goes to this process's :class:`JoinedRank`."""
+
+    def __init__(self, inbox: queue.SimpleQueue) -> None:
+        self._inbox = inbox
+
+    def send(self, message: Any) -> None:
+        self._inbox.put(message)
+
+
+class JoinedRank:
+    """This process's rank of a launched world, heard as :class:`RankProcesses` hears its
+    children; see [Note: two ways to be a rank]."""
+
+    def __init__(self, main: RankMain, world: JoinedWorld, args: tuple[Any, ...]) -> None:
+        self.world = world
+        self.directory = world.directory
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._previous_sigterm = _post_on_sigterm(world)
+        self._thread = threading.Thread(
+            target=self._run, args=(main, args), name=f"rank{world.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def __enter__(self) -> JoinedRank:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    def _run(self, main: RankMain, args: tuple[Any, ...]) -> None:
+        try:
+            main(self.world, _LocalChannel(self._inbox), *args)
+        except Exception:
+            text = traceback.format_exc()
+            self.world.post_failure(text)
+            self._inbox.put(RankError(self.world.rank, text))
+        else:
+            if self.world.board is not None:
+                self.world.board.finish()
+        self._inbox.put(_Ended(0))
+
+    def messages(self) -> Iterator[tuple[int, Any]]:
+        """``(rank, message)`` for what this rank sends, until it ends; :class:`RankFailed`
+        if it raised, or when a peer failed and this rank's work has said nothing for
+        :data:`_PEER_GRACE_S` since (it waits in a collective whose peers are gone)."""
+        heard = time.monotonic()
+        while True:
+            try:
+                message = self._inbox.get(timeout=_BEAT_S)
+            except queue.Empty:
+                self._watch_peers(heard)
+                continue
+            heard = time.monotonic()
+            if isinstance(message, RankError):
+                raise RankFailed(message.rank, message.traceback)
+            if isinstance(message, _Ended):
+                return
+            yield self.world.rank, message
+
+    def _watch_peers(self, heard: float) -> None:
+        board = self.world.board
+        if board is None:  # no group yet
+            return
+        board.beat()
+        if not board.posted() and not board.silent():
+            return
+        if time.monotonic() - heard > _PEER_GRACE_S:
+            peer, text = next(iter(board.failures(0.0).items()))
+            raise RankFailed(peer, text)
+
+    def close(self) -> None:
+        """Give the rank's work a moment to end, then leave it (a daemon thread)."""
+        self._thread.join(GRACE_S)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _post_on_sigterm(world: JoinedWorld) -> Any:
+    """On SIGTERM (a launcher stopping its node's ranks), post it, then end; see [Note:
+    failures in a launched world]. Returns the handler it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stopped(signum: int, frame: Any) -> None:
+        with contextlib.suppress(Exception):
+            world.post_failure("stopped by SIGTERM: its launcher ended it")
+        os._exit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stopped)
 
 
 @contextlib.contextmanager

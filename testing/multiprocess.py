@@ -25,6 +25,17 @@ run on every rank. Each rank sends back a small report, and the launcher turns t
 into the test's outcome. Hence test classes must be defined at module level, and
 ``setUpClass``/``tearDownClass`` run in the pytest process only.
 
+[Note: a test module under torchrun]
+Under torchrun or srun (``torchrun --nproc-per-node 2 -m pytest tests/...``) every worker is
+a pytest process, and together they are the ranks: a test joins the launched world instead
+of spawning (:func:`reffsdp.testing.launch.start_ranks` decides). Each pytest process runs
+the same rank code as a spawned rank, on a thread of its own, for its own rank, and judges
+the test from its rank's report alone; a test whose ``world_size`` differs from the
+launched world's is skipped on every rank, with both sizes, so the ranks stay in step. A
+rank that fails or dies ends the others' test within its ``timeout_s`` (the process
+groups' timeout, and the launched world's fault board: [Note: failures in a launched
+world]). Fake-group tests run in each pytest process as before.
+
 [Note: outcomes]
 The first rank to stop abnormally decides. If it skipped, the test is skipped: peers left
 waiting in a collective fail only as a consequence. If it failed, the test fails with every
@@ -74,6 +85,7 @@ import importlib.util
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 import unittest
@@ -95,7 +107,16 @@ from reffsdp.testing.collective_trace import (
 )
 from reffsdp.testing.common import DistributedTestMixin
 from reffsdp.testing.fake_pg import fake_process_group
-from reffsdp.testing.launch import RankFailed, RankProcesses, RankWorld, spawn_ranks
+from reffsdp.testing.launch import (
+    JoinedRank,
+    RankFailed,
+    RankProcesses,
+    RankWorld,
+    join_ranks,
+    launched_world,
+    spawn_ranks,
+)
+from reffsdp.testing.launched_world import read_launched_env
 
 # Imported by the fork server: [Note: start-up cost].
 _PRELOADED = ["torch", "torch.distributed.tensor", "torch._dynamo"]
@@ -103,7 +124,14 @@ _GRACE_S = 2.0  # once a rank stops abnormally, how long the others get to repor
 _STACK_DUMP_WAIT_S = 2.0  # how long a hung rank may take to write its stacks
 _POLL_S = 0.1  # how often the pytest process looks for mismatched collectives
 
-_running_in_rank = False  # set in rank processes; see [Note: how a test method reaches ...]
+# Set on the thread that runs rank code (a rank process's, or a joined rank's); see [Note: how
+# a test method reaches the ranks] and [Note: a test module under torchrun].
+_rank_thread = threading.local()
+
+
+def _running_in_rank() -> bool:
+    return getattr(_rank_thread, "running", False)
+
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -193,39 +221,47 @@ def _trace_path(directory: str, rank: int) -> str:
 
 def _rank_main(world: RankWorld, conn: Connection, run: _TestRun) -> None:
     """A rank process: build the default group, run the test, report how it went."""
-    global _running_in_rank
-    _running_in_rank = True
+    _rank_thread.running = True
     recorder = CollectiveRecorder(_trace_path(world.directory, world.rank))
     recorder.install()
-    with open(_stack_path(world.directory, world.rank), "w") as stack_file:
-        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-        try:
-            case = run.test.load()
-            _init_default_group(world, run)
-        except Exception:
-            detail = "rank set-up failed:\n" + traceback.format_exc()
-            conn.send(_Report(world.rank, _Outcome.FAILED, detail))
-            return
-        try:
-            report = _run_test(case, world.rank)
-            conn.send(report)
-            if report.outcome is _Outcome.PASSED and dist.is_initialized():
-                recorder.closing = True
-                _leave_together()
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+    stack_file = open(_stack_path(world.directory, world.rank), "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    try:
+        _run_rank(world, conn, run, recorder)
+    finally:  # a joined rank's process goes on to the next test
+        faulthandler.unregister(signal.SIGUSR1)
+        stack_file.close()
+        recorder.uninstall()
+
+
+def _run_rank(world: RankWorld, conn: Connection, run: _TestRun, recorder: CollectiveRecorder):
+    try:
+        case = run.test.load()
+        _init_default_group(world, run)
+    except Exception:
+        detail = "rank set-up failed:\n" + traceback.format_exc()
+        conn.send(_Report(world.rank, _Outcome.FAILED, detail))
+        return
+    try:
+        report = _run_test(case, world.rank)
+        conn.send(report)
+        if report.outcome is _Outcome.PASSED and dist.is_initialized():
+            recorder.closing = True
+            _leave_together()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _init_default_group(world: RankWorld, run: _TestRun) -> None:
     if run.device_type == "cuda":
-        torch.cuda.set_device(world.rank)
+        torch.cuda.set_device(world.local_rank)
         # NCCL for CUDA tensors; gloo for the CPU tensors tests also communicate.
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
         # The ranks share the machine's cores; more intra-op threads only thrash.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.local_world_size))
     world.init_process_group(backend, timedelta(seconds=run.timeout_s))
 
 
@@ -370,7 +406,7 @@ class FSDPTest(DistributedTestMixin, unittest.TestCase):
     def __init__(self, methodName: str = "runTest") -> None:
         super().__init__(methodName)
         method = getattr(self, methodName, None)
-        if _running_in_rank or method is None:
+        if _running_in_rank() or method is None:
             return
         if getattr(method, "_reffsdp_fake_pg", self.fake_pg):
             self.setUp = self._in_fake_group(self.setUp)  # type: ignore[method-assign]
@@ -387,7 +423,7 @@ class FSDPTest(DistributedTestMixin, unittest.TestCase):
     def _callTestMethod(self, method: Callable[[], object]) -> None:
         # In a rank process, run the per-rank hooks around the test method, as the
         # threaded harness does.
-        if not _running_in_rank:
+        if not _running_in_rank():
             super()._callTestMethod(method)  # type: ignore[misc]
             return
         self.perThreadSetUp()
@@ -421,12 +457,15 @@ class FSDPTest(DistributedTestMixin, unittest.TestCase):
         if self.world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {self.world_size}")
         device_type = self.device_type
+        run = _TestRun(_TestAddress.of(self), device_type, self.timeout_s)
+        if read_launched_env() is not None:  # [Note: a test module under torchrun]
+            self._run_as_launched_rank(run)
+            return
         if device_type == "cuda" and torch.cuda.device_count() < self.world_size:
             self.skipTest(
                 f"needs {self.world_size} CUDA devices (one per rank), "
                 f"found {torch.cuda.device_count()}"
             )
-        run = _TestRun(_TestAddress.of(self), device_type, self.timeout_s)
         ranks = _RankProcesses(run, self.world_size)
         try:
             reports = ranks.wait_for_reports(self.timeout_s)
@@ -439,6 +478,37 @@ class FSDPTest(DistributedTestMixin, unittest.TestCase):
         if first_abnormal.outcome is _Outcome.SKIPPED:
             raise unittest.SkipTest(first_abnormal.detail)
         self.fail(_failure_message(reports, self.world_size, traces))
+
+    def _run_as_launched_rank(self, run: _TestRun) -> None:
+        """This pytest process's rank runs the test; see [Note: a test module under
+        torchrun]."""
+        __tracebackhide__ = True
+        launched = read_launched_env()
+        assert launched is not None
+        if launched.world_size != self.world_size:
+            self.skipTest(
+                f"needs {self.world_size} ranks, but {launched.launcher} launched "
+                f"{launched.world_size}"
+            )
+        with join_ranks(_rank_main, launched_world(), (run,)) as rank:
+            reports: list[_Report] = []
+            try:
+                reports.extend(report for _, report in rank.messages())
+            except RankFailed as failure:  # this rank raised, or a peer failed
+                reports.append(_Report(failure.rank, _Outcome.FAILED, failure.detail))
+            traces = _joined_trace(rank)
+        abnormal = next((r for r in reports if r.outcome is not _Outcome.PASSED), None)
+        if abnormal is None:
+            return
+        if abnormal.outcome is _Outcome.SKIPPED:
+            raise unittest.SkipTest(abnormal.detail)
+        self.fail(_failure_message([abnormal], self.world_size, traces))
+
+
+def _joined_trace(rank: JoinedRank) -> dict[int, RankTrace]:
+    """What this joined rank's collectives were (its peers' traces are on their nodes)."""
+    trace = read_trace(_trace_path(rank.directory, rank.world.rank), rank.world.rank)
+    return {} if trace is None else {trace.rank: trace}
 
 
 def _do_nothing() -> None:

@@ -56,6 +56,9 @@ class RunInfo:
     device_name: str  # the GPU's name, or the CPU's
     backend: str
     world_size: int
+    launcher: str  # "spawn" (this command started the ranks), "torchrun" or "srun"
+    nodes: int
+    ranks_per_node: int
     seed: int
     steps: int
     started: str  # ISO 8601, UTC

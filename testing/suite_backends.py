@@ -31,12 +31,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .launch import RankFailed, RankWorld, spawn_ranks
+from .collective_trace import CollectiveRecorder
+from .launch import RankFailed, RankWorld, start_ranks
 from .suite_rank import ScenarioResult, run_scenario
 from .suite_scenarios import ScenarioSpec
 
 BACKENDS = ("threaded", "gloo", "nccl")
-_SCENARIO_TIMEOUT_S = 300.0
+SCENARIO_TIMEOUT_S = 300.0
+_FAILURE_WAIT_S = 7.0  # how long rank 0 waits for the other ranks' failures (launched)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,8 @@ class SuiteOptions:
     exclude: tuple[str, ...] = ()  # fnmatch globs
     steps: int = 3
     seed: int = 0
+    nodes: int = 1  # of a launched world: HSDP replicates across them
+    timeout_s: float = SCENARIO_TIMEOUT_S  # per scenario; process groups time out with it
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -60,6 +64,10 @@ class SuiteOptions:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
         if self.world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {self.world_size}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nodes
 
     @property
     def resizes_worlds(self) -> bool:
@@ -164,7 +172,7 @@ def run_threaded_one(
     start = time.perf_counter()
     try:
         with _quiet(), bug() if bug is not None else nullcontext():
-            run_threaded(rank_main, world_size, timeout_s=_SCENARIO_TIMEOUT_S)
+            run_threaded(rank_main, world_size, timeout_s=options.timeout_s)
     except RankFailure as failure:
         message = "error: " + _rank_error(failure)
         return _crashed(spec, options, message, time.perf_counter() - start, str(failure))
@@ -232,40 +240,75 @@ def _suite_rank(
     specs: list[ScenarioSpec],
     bug: BugFactory | None,
 ) -> None:
-    """A rank process: run every scenario in turn; rank 0 sends each result."""
+    """A rank: run every scenario in turn; the rank that reports sends each result (rank 0
+    of spawned ranks, every joined rank to its own process: [Note: two ways to be a rank])."""
     if options.backend == "nccl":
-        torch.cuda.set_device(world.rank)
-    world.init_process_group(options.backend, timedelta(seconds=_SCENARIO_TIMEOUT_S))
+        torch.cuda.set_device(world.local_rank)
+    recorder = _record_collectives(world)
+    world.init_process_group(options.backend, timedelta(seconds=options.timeout_s))
     try:
         broken = ""
         for spec in specs:
             if broken:
                 result = _crashed(spec, options, broken, 0.0)
             else:
-                start = time.perf_counter()
-                try:
-                    with _quiet(), bug() if bug is not None else nullcontext():
-                        result = run_scenario(
-                            spec,
-                            options.device_for(world.rank),
-                            steps=options.steps,
-                            seed=options.seed,
-                            world_size=world.world_size,
-                        )
-                    dist.barrier()
-                except Exception as error:  # noqa: BLE001 - reported; the ranks are out of step
-                    result = _crashed(
-                        spec,
-                        options,
-                        f"error: {_exception_text(error)}",
-                        time.perf_counter() - start,
-                        traceback.format_exc(),
-                    )
+                result, crashed = _run_on_rank(world, spec, options, bug, recorder)
+                if crashed:
                     broken = f"not run: scenario {spec.name} left the ranks out of step"
-            if world.rank == 0:
+            if world.rank == 0 or world.joined:
                 channel.send(result.to_dict())
     finally:
         dist.destroy_process_group()
+
+
+def _run_on_rank(
+    world: RankWorld,
+    spec: ScenarioSpec,
+    options: SuiteOptions,
+    bug: BugFactory | None,
+    recorder: CollectiveRecorder | None,
+) -> tuple[ScenarioResult, bool]:
+    """One scenario on this rank, and whether it crashed (a failed result naming every rank
+    that failed: the ranks are out of step)."""
+    start = time.perf_counter()
+    try:
+        with _quiet(), bug() if bug is not None else nullcontext():
+            result = run_scenario(
+                spec,
+                options.device_for(world.local_rank),
+                steps=options.steps,
+                seed=options.seed,
+                world_size=world.world_size,
+                nodes=options.nodes,
+            )
+        dist.barrier()
+        return result, False
+    except Exception as error:  # noqa: BLE001 - reported; the ranks are out of step
+        trace = traceback.format_exc()
+        message = _crash_message(world, _exception_text(error), recorder)
+        return _crashed(spec, options, message, time.perf_counter() - start, trace), True
+
+
+def _record_collectives(world: RankWorld) -> CollectiveRecorder | None:
+    """A joined rank names its last collective when it fails (its launcher is not there to
+    watch it); see [Note: failures in a launched world]."""
+    if not world.joined:
+        return None
+    recorder = CollectiveRecorder(None)
+    recorder.install()
+    return recorder
+
+
+def _crash_message(world: RankWorld, own: str, recorder: CollectiveRecorder | None) -> str:
+    """``"error: <own>"``; in a launched world, every rank's failure, each named, causes
+    first (rank 0 waits a little for the others to post theirs)."""
+    if recorder is not None and recorder.last is not None:
+        own += f"\n  (its last collective: {recorder.last.describe()})"
+    world.post_failure(own)
+    failures = world.failures(_FAILURE_WAIT_S)
+    if not failures:
+        return f"error: {own}"
+    return "error: " + "\n".join(f"rank {rank}: {text}" for rank, text in failures.items())
 
 
 def _iter_processes(
@@ -274,9 +317,10 @@ def _iter_processes(
     world_size = options.world_size
     runnable = []
     for spec in specs:
-        reason = spec.fits(world_size)
-        if not reason and options.backend == "nccl" and torch.cuda.device_count() < world_size:
-            reason = f"nccl needs {world_size} GPUs, found {torch.cuda.device_count()}"
+        reason = spec.fits(world_size, nodes=options.nodes)
+        gpus = torch.cuda.device_count() if options.backend == "nccl" else 0
+        if not reason and options.backend == "nccl" and gpus < options.ranks_per_node:
+            reason = f"nccl needs {options.ranks_per_node} GPUs per node, found {gpus}"
         if reason:
             yield _skipped(spec, options, reason)
         else:
@@ -284,13 +328,14 @@ def _iter_processes(
     if not runnable:
         return
     seen = 0
-    with spawn_ranks(_suite_rank, world_size, (options, runnable, bug), name="parity") as ranks:
+    with start_ranks(_suite_rank, world_size, (options, runnable, bug), name="parity") as ranks:
         try:
-            for _, item in ranks.messages():  # rank 0's results; the others send none
+            for _, item in ranks.messages():  # the reporting rank's results
                 seen += 1
                 yield ScenarioResult(**item)
         except RankFailed as failure:  # a rank died: report what never ran
-            message = f"error: a rank process failed: {_last_exception(failure.detail)}"
+            detail = _last_exception(failure.detail)
+            message = f"error: rank {failure.rank} failed: {detail}"
             for spec in runnable[seen:]:
                 yield _crashed(spec, options, message, 0.0, str(failure))
             return

@@ -145,11 +145,13 @@ def run_scenario(
     steps: int = 3,
     seed: int = 0,
     world_size: int | None = None,
+    nodes: int = 1,
 ) -> ScenarioResult:
     """Run ``spec`` on this rank; every rank of the default group calls it together.
 
     Every rank returns the same verdict (parity checks agree across ranks; the counts are
-    this rank's). A parity failure is a failed result, not an exception; anything else
+    this rank's); ``nodes`` (a launched world's) shape the HSDP mesh. A parity failure is a
+    failed result, not an exception; anything else
     raised (a crash inside reffsdp) propagates, since the ranks may be out of step.
     """
     start = time.perf_counter()
@@ -170,7 +172,7 @@ def run_scenario(
         return result
     # No torch.manual_seed here: under threaded ranks it would reseed the RNG another rank
     # is building from. Models are built seeded, one at a time (testing.build.build_seeded).
-    built = build_scenario(spec, device, seed=seed)
+    built = build_scenario(spec, device, seed=seed, nodes=nodes)
     tally = CommTally()
     trained_steps = steps
     diffs: ParityDiffs | None = None

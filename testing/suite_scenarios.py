@@ -15,7 +15,8 @@ models rotate over the features so each API trains each model several times.
 mesh       ranks (W: the suite's world size)
 =========  ==================================================================
 ``1d``     FSDP over all W ranks
-``hsdp``   2 replicas of W/2-rank shard groups
+``hsdp``   2 replicas of W/2-rank shard groups; on a launched world of several nodes,
+           a replica per node, sharded inside it (nodes x ranks per node)
 ``2d``     FSDP over W/2 ranks times tensor parallelism over 2 (fully_shard)
 ``3d``     2 replicas x W/4-rank shard groups x tensor parallelism over 2 (8 ranks)
 =========  ==================================================================
@@ -199,8 +200,14 @@ class ScenarioSpec:
             return max(8, world_size - world_size % 4)
         return world_size
 
-    def fits(self, world_size: int) -> str:
-        """Why ``world_size`` ranks cannot hold this scenario's mesh ("" if they can)."""
+    def fits(self, world_size: int, *, nodes: int = 1) -> str:
+        """Why ``world_size`` ranks on ``nodes`` nodes cannot hold this scenario's mesh (""
+        if they can); see [Note: the matrix]."""
+        if self.mesh == "hsdp" and nodes > 1 and world_size // nodes < 2:
+            return (
+                "the hsdp mesh shards inside a node: it needs at least 2 ranks per node, "
+                f"the world has {world_size // nodes}"
+            )
         if self.mesh in ("hsdp", "2d") and (world_size < 4 or world_size % 2):
             return f"the {self.mesh} mesh needs an even number of ranks, at least 4"
         if self.mesh == "3d" and (world_size < 8 or world_size % 4):
@@ -262,7 +269,7 @@ class _Mesh:
     wrapper_kwargs: dict[str, Any]
 
 
-def _make_mesh(mesh: str, device_type: str, api: str) -> _Mesh:
+def _make_mesh(mesh: str, device_type: str, api: str, nodes: int) -> _Mesh:
     from .meshes import mesh_1d, mesh_dp_tp, mesh_hsdp, mesh_nd
 
     world_size = dist.get_world_size()
@@ -273,8 +280,9 @@ def _make_mesh(mesh: str, device_type: str, api: str) -> _Mesh:
             return _Mesh(None, None, world_size, 1, {"device_id": torch.device(device_type)})
         return _Mesh(mesh_1d(device_type), None, world_size, 1, {})
     if mesh == "hsdp":
-        hsdp = mesh_hsdp(2, world_size // 2, device_type)
-        return _Mesh(hsdp, None, world_size // 2, 2, {"device_mesh": hsdp})
+        replicas = nodes if nodes > 1 else 2
+        hsdp = mesh_hsdp(replicas, world_size // replicas, device_type)
+        return _Mesh(hsdp, None, world_size // replicas, replicas, {"device_mesh": hsdp})
     if mesh == "2d":
         full = mesh_dp_tp(world_size // 2, 2, device_type)
         return _Mesh(full["dp_shard"], full["tp"], world_size // 2, 1, {})
@@ -494,9 +502,12 @@ def _state_dict_reload(spec: ScenarioSpec, device: torch.device, seed: int, mesh
     return reload
 
 
-def build_scenario(spec: ScenarioSpec, device: torch.device, *, seed: int = 0) -> BuiltScenario:
-    """Build ``spec`` on this rank; every rank of the default group calls it together."""
-    mesh = _make_mesh(spec.mesh, device.type, spec.api)
+def build_scenario(
+    spec: ScenarioSpec, device: torch.device, *, seed: int = 0, nodes: int = 1
+) -> BuiltScenario:
+    """Build ``spec`` on this rank; every rank of the default group calls it together.
+    ``nodes``: those of a launched world, across which HSDP replicates."""
+    mesh = _make_mesh(spec.mesh, device.type, spec.api, nodes)
     model = _new_model(spec, device, seed)
     _freeze(spec, model)
     ref_model = copy.deepcopy(model)

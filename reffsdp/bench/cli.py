@@ -3,11 +3,17 @@
 It prints a line per implementation as it is built and per implementation and round as it
 finishes, then the table. Ctrl-C ends it with exit status 130, no traceback and no rank
 process left, after writing ``--json`` with what finished (``"interrupted": true``).
+
+Under torchrun or srun every rank runs this command and joins the launched world instead of
+spawning ranks (:mod:`reffsdp.testing.launch` decides): the backend (nccl where CUDA is
+present, else gloo) and the world size are the launched world's, and rank 0 alone prints
+and writes ``--json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -15,6 +21,8 @@ import sys
 from typing import Any
 
 import torch
+
+from reffsdp.testing.launched_world import LaunchedEnv, LaunchError, read_launched_env
 
 from .impls import IMPLS, Options
 from .models import SIZES
@@ -42,13 +50,15 @@ def parser() -> argparse.ArgumentParser:
         "--world-size",
         type=int,
         default=None,
-        help="ranks (default: 2; with nccl, every visible GPU)",
+        help="ranks (default: 2; with nccl, every visible GPU; under torchrun or srun, the "
+        "launched world's)",
     )
     p.add_argument(
         "--backend",
         choices=("gloo", "nccl", "threaded"),
         default=None,
-        help="default: nccl with --device cuda, else gloo",
+        help="default: nccl with --device cuda, else gloo (under torchrun or srun: nccl "
+        "where CUDA is present, else gloo)",
     )
     p.add_argument(
         "--device",
@@ -107,6 +117,12 @@ def parser() -> argparse.ArgumentParser:
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that depend on each other, and reject what cannot run."""
+    try:
+        args.launched = read_launched_env()
+    except LaunchError as error:
+        raise SystemExit(str(error)) from None
+    if args.launched is not None:
+        _join_launched(args, args.launched)
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "gloo"
     if args.device is None:
@@ -117,7 +133,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit("--device cuda: no CUDA device is visible")
     if args.backend == "nccl" and args.device != "cuda":
         raise SystemExit("--backend nccl needs --device cuda")
-    if args.backend == "nccl" and args.world_size > torch.cuda.device_count():
+    spawns_nccl = args.launched is None and args.backend == "nccl"
+    if spawns_nccl and args.world_size > torch.cuda.device_count():
         raise SystemExit(
             f"--world-size {args.world_size} with nccl needs as many GPUs; "
             f"{torch.cuda.device_count()} visible"
@@ -127,8 +144,49 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _join_launched(args: argparse.Namespace, launched: LaunchedEnv) -> None:
+    """Take backend, device and world size from the launched world; a different one given
+    is refused, naming both."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    where = f"{launched.launcher} launched {launched.world_size} ranks"
+    if args.scaling:
+        raise SystemExit(
+            f"--scaling starts worlds of several sizes itself, but {where}; run it without "
+            "a launcher"
+        )
+    if args.backend not in (None, backend):
+        raise SystemExit(
+            f"--backend {args.backend} conflicts with the launched world: {where}, which "
+            f"runs on {backend} here; drop --backend"
+        )
+    if args.world_size not in (None, launched.world_size):
+        raise SystemExit(
+            f"--world-size {args.world_size} conflicts with the launched world: {where}; "
+            "drop --world-size (or launch that many ranks)"
+        )
+    if backend == "nccl" and torch.cuda.device_count() < launched.local_world_size:
+        raise SystemExit(
+            f"{launched.launcher} put {launched.local_world_size} ranks on this node, which "
+            f"has {torch.cuda.device_count()} GPUs; nccl runs one rank per GPU"
+        )
+    args.backend, args.world_size = backend, launched.world_size
+
+
 def main(argv: list[str] | None = None) -> int:
     args = resolve(parser().parse_args(argv))
+    if not _reports(args):
+        args.json = None  # rank 0 of the launched world prints and writes
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+            return _main(args)
+    return _main(args)
+
+
+def _reports(args: argparse.Namespace) -> bool:
+    """Whether this process prints and writes: rank 0 of a launched world, or the launcher."""
+    return args.launched is None or args.launched.rank == 0
+
+
+def _main(args: argparse.Namespace) -> int:
     document: dict[str, Any] = {"interrupted": False}
     try:
         _run(args, document)
@@ -156,7 +214,7 @@ def _run(args: argparse.Namespace, document: dict[str, Any]) -> None:
     document.update(config=_config_json(config, meta), memory=memory_note, results=summary)
     if args.profile:
         print(f"Chrome traces: {os.path.join(args.profile, 'rank<r>.json')}")
-    if args.profile and args.device == "cpu":
+    if args.profile and args.device == "cpu" and _reports(args):
         from .stream_traces import write_stream_traces
 
         for path in write_stream_traces(config):
@@ -173,6 +231,7 @@ def _config_json(config: dict[str, Any], meta: dict[str, Any] | None) -> dict[st
         "params": None if meta is None else meta["params"],
         "root_params": None if meta is None else meta["root_params"],
         "world_size": config["world_size"],
+        **config["launch"],
         "backend": options.backend,
         "device": options.device.type,
         "steps": config["steps"],

@@ -4,6 +4,11 @@ Rank processes come from :mod:`reffsdp.testing.launch`, the one launcher of reff
 and measurements (which stops them on Ctrl-C: [Note: stopping rank processes] there). They
 are spawned, not forked, with the heap counter in ``LD_PRELOAD`` (see ``memory``), so their
 CPU memory is counted process-wide; each sends its results back as JSON.
+
+Under torchrun or srun this process is already one rank of the launched world, and
+:func:`~reffsdp.testing.launch.start_ranks` joins it instead of spawning ([Note: two ways to
+be a rank] there). No launcher of ours collects the other ranks' results then, so each rank
+gathers every rank's before it leaves the group, and every process gets the whole list.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reffsdp.testing.launch import RankWorld, spawn_ranks
+from reffsdp.testing.launch import RankWorld, spawn_ranks, start_ranks
 
 from .memory import build_heap_counter
 
@@ -55,22 +60,31 @@ def _process_main(
 ) -> None:
     device = config["options"].device if isinstance(config, dict) else None
     if device is not None and device.type == "cuda":
-        torch.cuda.set_device(world.rank % torch.cuda.device_count())
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.world_size))
+        torch.cuda.set_device(world.local_rank % torch.cuda.device_count())
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.local_world_size))
     world.init_process_group(backend, PG_TIMEOUT)
     try:
         result = fn(world.rank, world.world_size, config)
+        known = {world.rank: result}
+        if world.joined:  # no launcher of ours hears the other ranks: gather theirs here
+            every: list[Any] = [None] * world.world_size
+            dist.all_gather_object(every, result)
+            known = dict(enumerate(every))
     finally:
         dist.destroy_process_group()
-    channel.send(json.dumps(result))
+    channel.send(json.dumps(sorted(known.items())))
 
 
 def run_processes(
     fn: Callable[[int, int, Any], dict], world_size: int, backend: str, config: Any
 ) -> list[dict]:
-    """Call ``fn(rank, world_size, config)`` in one process per rank; their results."""
-    with spawn_ranks(_process_main, world_size, (backend, fn, config), name="bench") as ranks:
-        results = {rank: json.loads(message) for rank, message in ranks.messages()}
+    """Call ``fn(rank, world_size, config)`` in one process per rank (spawned, or this one
+    joining a launched world); every rank's results."""
+    args = (backend, fn, config)
+    results: dict[int, dict] = {}
+    with start_ranks(_process_main, world_size, args, name="bench") as ranks:
+        for _, message in ranks.messages():
+            results.update((rank, result) for rank, result in json.loads(message))
     return [results[rank] for rank in range(world_size)]
 
 

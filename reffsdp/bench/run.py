@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from reffsdp.testing.launched_world import LaunchedEnv
+
 from .impls import IMPLS, Options
 from .launch import heap_counter_preloaded, run_processes, run_threads
 from .models import Workload
@@ -28,6 +30,7 @@ from .runner import run_rank
 def run_config(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     """The plain-data description of one run that every rank receives."""
     values = {**vars(args), **overrides}
+    launched = values.get("launched")
     impls = [name for name in IMPLS if name in values["impl"]]
     return {
         "options": Options(
@@ -45,9 +48,19 @@ def run_config(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
         "threads_share_heap": values["backend"] == "threaded",
         # for the report
         "world_size": values["world_size"],
+        "launch": _launch(launched, values["world_size"]),
         "mixed_precision": values["mixed_precision"],
         "reshard_after_forward": values["reshard_after_forward"],
     }
+
+
+def _launch(launched: LaunchedEnv | None, world_size: int) -> dict[str, Any]:
+    """How the ranks came to be: ``spawn`` (this command started them), or the launcher
+    whose world it joined, with its nodes and ranks per node."""
+    if launched is None:
+        return {"launcher": "spawn", "nodes": 1, "ranks_per_node": world_size}
+    per_node = launched.local_world_size
+    return {"launcher": launched.launcher, "nodes": launched.nodes, "ranks_per_node": per_node}
 
 
 def run_benchmark(
@@ -61,7 +74,8 @@ def run_benchmark(
     options: Options = config["options"]
     world_size = config["world_size"]
     threaded = options.backend == "threaded"
-    wants_heap = options.device.type == "cpu" and not threaded
+    joined = config["launch"]["launcher"] != "spawn"
+    wants_heap = options.device.type == "cpu" and not threaded and not joined
     with tempfile.TemporaryDirectory(prefix="reffsdp-bench-") as progress_dir:
         config = {**config, "progress_path": os.path.join(progress_dir, "progress.jsonl")}
         try:
@@ -71,6 +85,9 @@ def run_benchmark(
                     why = "threaded backend: ranks share one process heap, CPU memory not measured"
                 else:
                     ranks = run_processes(run_rank, world_size, options.backend, config)
+                    if joined:
+                        why = "launched ranks: CPU memory not measured (the heap counter is "
+                        why += "preloaded only into ranks this command spawns)"
         finally:
             if finished is not None:
                 finished.extend(_records(config["progress_path"]))

@@ -1,6 +1,7 @@
 """The one rank launcher (``reffsdp.testing.launch``): ranks run a function in a world of
 their own and send back what they have to say; a rank that raises, or ends without a word,
-is named; SIGINT ends a rank quietly; closing stops the ranks still running."""
+is named; SIGINT ends a rank quietly; closing stops the ranks still running. Under a
+launcher (torchrun's variables set) the same rank code joins the launched world instead."""
 
 from __future__ import annotations
 
@@ -13,7 +14,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from reffsdp.testing.launch import RankFailed, RankWorld, spawn_ranks
+from reffsdp.testing.launch import (
+    JoinedRank,
+    RankFailed,
+    RankProcesses,
+    RankWorld,
+    join_ranks,
+    launched_world,
+    spawn_ranks,
+    start_ranks,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,6 +42,14 @@ def _raise_on_rank_1(world: RankWorld, channel) -> None:
     if world.rank == 1:
         raise ValueError("planted failure on rank 1")
     channel.send("rank 0 is done")
+
+
+def _raise_on_rank_0(world, channel) -> None:
+    world.init_process_group("gloo", timedelta(seconds=60))
+    try:
+        raise ValueError("planted failure on rank 0")
+    finally:
+        dist.destroy_process_group()
 
 
 def _exit_on_rank_1(world: RankWorld, channel) -> None:
@@ -89,3 +107,43 @@ def test_bad_arguments_are_refused():
         spawn_ranks(_sleep, 0)
     with pytest.raises(ValueError, match="start_method must be one of"):
         spawn_ranks(_sleep, 1, start_method="fork")
+
+
+@pytest.fixture
+def launched_alone(monkeypatch):
+    """This process as the one rank of a world torchrun launched."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    environment = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    environment.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_without_a_launcher_start_ranks_spawns():
+    with start_ranks(_all_reduce, 2, (10,)) as ranks:
+        assert isinstance(ranks, RankProcesses)
+        assert sorted(message for _, message in ranks.messages())[0] == (0, 2, 21.0)
+
+
+@pytest.mark.timeout(60)
+def test_under_a_launcher_start_ranks_joins_and_runs_the_rank_here(launched_alone):
+    with start_ranks(_all_reduce, 1, (10,)) as ranks:
+        assert isinstance(ranks, JoinedRank)
+        assert list(ranks.messages()) == [(0, (0, 1, 10.0))]
+    with start_ranks(_all_reduce, 1, (5,)) as ranks:  # a second group: a store prefix of its own
+        assert list(ranks.messages()) == [(0, (0, 1, 5.0))]
+    with pytest.raises(ValueError, match="2 ranks asked for, but torchrun launched 1"):
+        start_ranks(_all_reduce, 2, (10,))
+
+
+@pytest.mark.timeout(60)
+def test_a_joined_rank_that_raises_is_named_with_its_traceback(launched_alone):
+    world = launched_world()
+    with join_ranks(_raise_on_rank_0, world) as ranks:
+        with pytest.raises(RankFailed) as failure:
+            list(ranks.messages())
+    assert failure.value.rank == 0 and "ValueError: planted failure on rank 0" in str(failure.value)

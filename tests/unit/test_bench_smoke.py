@@ -252,3 +252,22 @@ def test_bytes_and_padding_follow_the_parity_suites_models():
     assert analytic_min_bytes("shard_grad_op", 75, 0, 3) == float(ring_bytes(600, 3)) == 400.0
     model = torch.nn.Linear(3, 5)  # weight (5, 3), bias (5,): 8 rows each on 4 ranks
     assert _padded_numel(model, 4) == padded_numel((5, 3), 4) + padded_numel((5,), 4) == 32
+
+
+def test_under_a_launcher_the_world_comes_from_it(monkeypatch):
+    from reffsdp.bench.cli import resolve
+
+    launched = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    launched.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    for key, value in launched.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = resolve(parser().parse_args([]))
+    assert (args.backend, args.device, args.world_size) == ("gloo", "cpu", 4)
+    for argv, problem in [
+        (["--world-size", "2"], "--world-size 2 conflicts with the launched world: torchrun"),
+        (["--backend", "threaded"], "--backend threaded conflicts with the launched world"),
+        (["--scaling"], "--scaling starts worlds of several sizes itself"),
+    ]:
+        with pytest.raises(SystemExit, match=problem):
+            resolve(parser().parse_args(argv))

@@ -570,3 +570,75 @@ def test_format_bytes(value, text):
 def test_summary_line_counts_unknown_statuses_as_failures():
     results = [result("a/1d/f/m"), result("b/1d/f/m", "error", "boom")]
     assert report.summary_line(results, 2.04) == "1 passed, 1 failed, 0 skipped in 2.0 s"
+
+
+# --- a launched world ---------------------------------------------------------------------
+
+TORCHRUN_RANK_0 = {
+    "RANK": "0",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "0",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
+
+
+@pytest.fixture
+def torchrun_rank(monkeypatch, no_cuda):
+    """The environment torchrun gives a worker: 2 nodes x 2 ranks, CPU only."""
+
+    def set_rank(rank: int) -> None:
+        environment = {**TORCHRUN_RANK_0, "RANK": str(rank), "LOCAL_RANK": str(rank % 2)}
+        for key, value in environment.items():
+            monkeypatch.setenv(key, value)
+
+    set_rank(0)
+    return set_rank
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["--backend", "threaded"], "--backend threaded conflicts with the launched world: "),
+        (["--backend", "nccl"], "torchrun launched 4 ranks, which runs on gloo here"),
+        (["--world-size", "2"], "--world-size 2 conflicts with the launched world: torchrun "),
+    ],
+)
+def test_backend_or_world_size_against_the_launched_world_is_a_usage_error(
+    engine, torchrun_rank, capsys, argv, problem
+):
+    assert problem in usage_error(capsys, argv)
+
+
+def test_a_launched_world_gives_backend_world_size_and_nodes(engine, torchrun_rank):
+    assert cli.main(["--list", "--backend", "gloo", "--world-size", "4"]) == 0  # agreeing
+    assert cli.main(["--list", "--timeout", "60"]) == 0
+    assert engine.options[-1] == SuiteOptions(
+        backend="gloo", device="cpu", world_size=4, nodes=2, timeout_s=60.0
+    )
+
+
+def test_a_half_described_launch_is_a_usage_error(engine, torchrun_rank, capsys, monkeypatch):
+    monkeypatch.delenv("MASTER_PORT")
+    assert "torchrun started this process but MASTER_PORT is not set" in usage_error(capsys, [])
+
+
+def test_rank_0_alone_prints_and_writes_the_reports(engine, torchrun_rank, tmp_path, capsys):
+    torchrun_rank(1)
+    assert cli.main(["--json", str(tmp_path / "rank1.json")]) == 0
+    assert capsys.readouterr().out == ""
+    assert not (tmp_path / "rank1.json").exists()
+    torchrun_rank(0)
+    assert cli.main(["--json", str(tmp_path / "rank0.json")]) == 0
+    assert "launched by torchrun: 2 nodes x 2 ranks" in capsys.readouterr().out
+    document = json.loads((tmp_path / "rank0.json").read_text())
+    launch = {key: document[key] for key in ("launcher", "world_size", "nodes", "ranks_per_node")}
+    assert launch == {"launcher": "torchrun", "world_size": 4, "nodes": 2, "ranks_per_node": 2}
+
+
+def test_a_run_this_command_started_records_its_launch_as_spawn(engine, tmp_path, capsys):
+    assert cli.main(["--json", str(tmp_path / "parity.json"), "--world-size", "2"]) == 0
+    document = json.loads((tmp_path / "parity.json").read_text())
+    launch = {key: document[key] for key in ("launcher", "world_size", "nodes", "ranks_per_node")}
+    assert launch == {"launcher": "spawn", "world_size": 2, "nodes": 1, "ranks_per_node": 2}

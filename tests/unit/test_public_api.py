@@ -341,18 +341,50 @@ def _package_sources() -> list[pathlib.Path]:
     return sorted([*(ROOT / "reffsdp").rglob("*.py"), *(ROOT / "testing").rglob("*.py")])
 
 
+# ``python -m reffsdp.swap`` imports torch's FSDP modules only to rebind their public names
+# to reffsdp's ([Note: the swap] there); these and nothing else of them.
+SWAP = ROOT / "reffsdp" / "swap.py"
+SWAP_MAY_IMPORT = {
+    "torch.distributed.fsdp",
+    "torch.distributed._composable.fsdp",
+    "torch.distributed.fsdp.api",
+    "torch.distributed.fsdp.fully_sharded_data_parallel",
+    "torch.distributed.fsdp.sharded_grad_scaler",
+    "torch.distributed.fsdp.wrap",
+}
+
+
 def test_sources_never_import_torch_fsdp_or_torch_internal_testing():
-    """No file of the package, its testing helpers or its benchmark imports either; torch's
-    implementations the benchmark measures against are built under ``tests/``."""
+    """No file of the package, its testing helpers or its benchmark imports either (the swap
+    aside, below); torch's implementations the benchmark measures against are built under
+    ``tests/``."""
     sources = _package_sources()
     assert len(sources) > 10
-    assert BENCH / "impls.py" in sources
+    assert BENCH / "impls.py" in sources and SWAP in sources
     offenders = []
     for path in sources:
         for name in _imported_modules(ast.parse(path.read_text(), filename=str(path))):
-            if name.startswith(FORBIDDEN):
+            if name.startswith(FORBIDDEN) and not (path == SWAP and name in SWAP_MAY_IMPORT):
                 offenders.append(f"{path.relative_to(ROOT)}: {name}")
     assert offenders == []
+
+
+def test_the_swap_only_rebinds_torchs_names():
+    """The swap reads nothing of torch's FSDP modules: it only assigns to them (``setattr``
+    over its table of module pairs), and nothing else of reffsdp imports the swap."""
+    tree = ast.parse(SWAP.read_text())
+    torch_attributes = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and ast.unparse(node).startswith("torch.distributed.")
+    ]
+    used = {ast.unparse(node) for node in torch_attributes}
+    prefixes = {name.rsplit(".", 1)[0] for name in SWAP_MAY_IMPORT}  # parts of a longer name
+    assert used <= SWAP_MAY_IMPORT | prefixes
+    assert used & SWAP_MAY_IMPORT == SWAP_MAY_IMPORT
+    for path in _package_sources():
+        if path != SWAP:
+            assert "reffsdp.swap" not in _imported_modules(ast.parse(path.read_text())), path
 
 
 def test_the_benchmark_finds_torch_builders_in_the_tests_from_the_repository_root():

@@ -5,6 +5,7 @@ the commands print today."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -64,3 +65,40 @@ def test_the_reading_order_starts_at_the_naive_page():
     files = re.findall(r"`([\w/]+\.py)`", section)
     assert files[0] == "reffsdp/naive.py" and (ROOT / files[0]).is_file()
     assert files.index("core/sharding.py") < files.index("per_param/fully_shard.py")
+
+
+def test_every_field_of_a_run_in_the_json_report_is_documented():
+    from reffsdp.testing.report import RunInfo
+
+    section = PARITY_DOC.read_text().split("## `--json FILE`")[1].split("\n## ")[0]
+    for field in dataclasses.fields(RunInfo):
+        assert f"`{field.name}`" in section, field.name
+
+
+def test_on_a_cluster_shows_both_launchers_the_swap_and_a_batch_script():
+    import shlex
+    import subprocess
+
+    from reffsdp.bench.cli import parser as bench_parser
+
+    section = README.split("## On a cluster")[1].split("\n## ")[0]
+    assert "--rdzv-backend c10d --rdzv-endpoint" in section
+    assert "python -m reffsdp.swap train.py" in section and "-m reffsdp.swap -m " in section
+    blocks = "".join(re.findall(r"```bash\n(.*?)```", section, flags=re.DOTALL))
+    commands = [
+        line for line in blocks.replace("\\\n", " ").splitlines()
+        if "-m reffsdp.testing" in line or "-m reffsdp.bench" in line
+    ]  # fmt: skip
+    launchers = {command.split()[0] for command in commands}
+    assert launchers == {"torchrun", "srun"}, commands
+    for command in commands:  # what follows the module name parses
+        words = shlex.split(command)
+        module = words[words.index("-m") + 1]
+        args = words[words.index(module) + 1 :]
+        if module == "reffsdp.testing":
+            cli.build_parser().parse_args(args)
+        else:
+            bench_parser().parse_args(args)
+    batch = ROOT / "ci" / "slurm.sbatch"
+    assert "(ci/slurm.sbatch)" in section and "srun python -m reffsdp.testing" in batch.read_text()
+    assert subprocess.run(["bash", "-n", str(batch)]).returncode == 0
