@@ -102,3 +102,19 @@ def test_on_a_cluster_shows_both_launchers_the_swap_and_a_batch_script():
     batch = ROOT / "ci" / "slurm.sbatch"
     assert "(ci/slurm.sbatch)" in section and "srun python -m reffsdp.testing" in batch.read_text()
     assert subprocess.run(["bash", "-n", str(batch)]).returncode == 0
+
+
+def test_the_torch_versions_section_names_the_tested_range_and_the_cpu_index():
+    """README's versions table lists every release from the oldest supported to the newest
+    tested (the ones CI pins among them), and how to take torch's CPU build."""
+    section = README[README.index("## Torch versions") :].split("\n## ")[0]
+    pinned = [
+        re.search(r"torch==([\d.]+)", (ROOT / "ci" / "torch" / name).read_text()).group(1)
+        for name in ("oldest.txt", "newest.txt")
+    ]
+    rows = re.findall(r"^\| (2\.\d+\.\d+) \|", section, flags=re.MULTILINE)
+    assert rows[0] == pinned[0] and rows[-1] == pinned[1] and "2.13.0" in rows
+    minors = [int(version.split(".")[1]) for version in rows]
+    assert minors == list(range(minors[0], minors[-1] + 1))  # none left out
+    assert "download.pytorch.org/whl/cpu" in section
+    assert "reffsdp/core/compat.py" in section and "torch>=2.11,<2.16" in section
