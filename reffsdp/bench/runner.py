@@ -108,90 +108,137 @@ def run_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, An
         options = dataclasses.replace(
             options, device=torch.device("cuda", torch.cuda.current_device())
         )
-    device = options.device
-    probe = MemoryProbe(device, None if config["threads_share_heap"] else HeapCounter.load())
+    shared_heap = config["threads_share_heap"]
     # Threaded ranks share one process: its CPU time is not any one rank's.
-    times_cpu = not config["threads_share_heap"]
-    base = options.workload.build(device)
+    me = _Rank(
+        rank,
+        config,
+        options.device,
+        MemoryProbe(options.device, None if shared_heap else HeapCounter.load()),
+        times_cpu=not shared_heap,
+    )
+    base = options.workload.build(me.device)
     total, root, largest_block = param_counts(base)
-    batch = options.workload.batch(rank, device)
-    loss_fn = options.workload.loss_fn()
+    workload = (options.workload.batch(rank, me.device), options.workload.loss_fn())
     prime(config["impls"], options, base)
 
     results: dict[str, dict[str, Any]] = {}
     steps: dict[str, Callable[[], None]] = {}
     for name in config["impls"]:
-        entry: dict[str, Any] = {"notes": notes(name, options)}
-        results[name] = entry
-        gc.collect()
-        before = probe.current()
-        built_at = time.perf_counter()
-        try:
-            model = build(name, base, options)
-        except Skip as skip:
-            entry["skipped"] = str(skip)
-            announce(rank, config, f"{LABELS[name]}: skipped: {skip}", {"impl": name})
-            continue
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        steps[name] = make_step(model, optim, batch, loss_fn)
-        del model, optim  # the step holds them
-        for _ in range(WARMUP_STEPS):
-            steps[name]()
-        _sync(device)
-        dist.barrier()
-        gc.collect()
-        entry["kept"] = probe.current() - before
-        seconds = time.perf_counter() - built_at
-        announce(
-            rank,
-            config,
-            f"{LABELS[name]}: built, {WARMUP_STEPS} warm-up steps in {seconds:.1f} s",
-            {"impl": name, "built_s": seconds},
-        )
-        entry.update(step_s=[], peak_above_start=[], live_at_start=[])
-        if times_cpu:
-            entry["cpu_s"] = []
+        results[name] = {"notes": notes(name, options)}
+        step = _build_and_warm_up(me, name, options, base, workload, results[name])
+        if step is not None:
+            steps[name] = step
     del base
 
-    names = list(steps)
     for round_index in range(config["rounds"]):
-        shift = round_index % max(1, len(names))
-        for name in names[shift:] + names[:shift]:
-            entry = results[name]
-            dist.barrier()
-            for _ in range(config["steps"]):
-                start_bytes = probe.start_step()
-                start, start_cpu = time.perf_counter(), time.process_time()
-                steps[name]()
-                _sync(device)
-                entry["step_s"].append(time.perf_counter() - start)
-                if times_cpu:
-                    entry["cpu_s"].append(time.process_time() - start_cpu)
-                entry["peak_above_start"].append(probe.peak() - start_bytes)
-                entry["live_at_start"].append(start_bytes)
-                reserved = probe.reserved_peak()
-                if reserved is not None:
-                    entry["reserved_peak"] = max(entry.get("reserved_peak", 0), reserved)
-            _announce_round(rank, config, name, round_index, entry["step_s"][-config["steps"] :])
-
-    for name in names:
-        dist.barrier()
-        with CommCounter() as counter:
-            steps[name]()
-        _sync(device)
-        results[name]["comm_counts"] = {k.value: v for k, v in counter.get_comm_counts().items()}
-        results[name]["comm_bytes"] = {k.value: v for k, v in counter.get_comm_bytes().items()}
-
+        _time_round(me, round_index, steps, results)
+    for name, step in steps.items():
+        results[name].update(_comms_of_a_step(me, step))
     if config.get("profile_dir"):
-        _profile(rank, names, steps, config, device)
+        _profile(rank, list(steps), steps, config, me.device)
 
     results["_meta"] = {
-        "memory_measured": probe.available,
+        "memory_measured": me.probe.available,
         "params": total,
         "root_params": root,
         "largest_block_params": largest_block,
     }
     return results
+
+
+@dataclasses.dataclass
+class _Rank:
+    """This rank of a benchmark run, as its measuring steps see it."""
+
+    rank: int
+    config: dict[str, Any]
+    device: torch.device
+    probe: MemoryProbe
+    times_cpu: bool
+
+
+def _build_and_warm_up(
+    me: _Rank,
+    name: str,
+    options: Options,
+    base: torch.nn.Module,
+    workload: tuple[Any, Any],
+    entry: dict[str, Any],
+) -> Callable[[], None] | None:
+    """Build ``name`` from ``base`` and warm it up; its step, or ``None`` when it is skipped.
+    ``entry`` gets the memory kept and the lists the timed rounds fill."""
+    gc.collect()
+    before = me.probe.current()
+    built_at = time.perf_counter()
+    try:
+        model = build(name, base, options)
+    except Skip as skip:
+        entry["skipped"] = str(skip)
+        announce(me.rank, me.config, f"{LABELS[name]}: skipped: {skip}", {"impl": name})
+        return None
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = make_step(model, optim, *workload)
+    del model, optim  # the step holds them
+    for _ in range(WARMUP_STEPS):
+        step()
+    _sync(me.device)
+    dist.barrier()
+    gc.collect()
+    entry["kept"] = me.probe.current() - before
+    seconds = time.perf_counter() - built_at
+    announce(
+        me.rank,
+        me.config,
+        f"{LABELS[name]}: built, {WARMUP_STEPS} warm-up steps in {seconds:.1f} s",
+        {"impl": name, "built_s": seconds},
+    )
+    entry.update(step_s=[], peak_above_start=[], live_at_start=[])
+    if me.times_cpu:
+        entry["cpu_s"] = []
+    return step
+
+
+def _time_round(
+    me: _Rank,
+    round_index: int,
+    steps: dict[str, Callable[[], None]],
+    results: dict[str, dict[str, Any]],
+) -> None:
+    """Time ``config["steps"]`` steps of each implementation, starting one further along
+    the list each round, so that none is always first."""
+    names = list(steps)
+    shift = round_index % max(1, len(names))
+    count = me.config["steps"]
+    for name in names[shift:] + names[:shift]:
+        entry = results[name]
+        dist.barrier()
+        for _ in range(count):
+            start_bytes = me.probe.start_step()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            steps[name]()
+            _sync(me.device)
+            entry["step_s"].append(time.perf_counter() - start)
+            if me.times_cpu:
+                entry["cpu_s"].append(time.process_time() - start_cpu)
+            entry["peak_above_start"].append(me.probe.peak() - start_bytes)
+            entry["live_at_start"].append(start_bytes)
+            reserved = me.probe.reserved_peak()
+            if reserved is not None:
+                entry["reserved_peak"] = max(entry.get("reserved_peak", 0), reserved)
+        _announce_round(me.rank, me.config, name, round_index, entry["step_s"][-count:])
+
+
+def _comms_of_a_step(me: _Rank, step: Callable[[], None]) -> dict[str, Any]:
+    """The collectives one more step issues, counted and in bytes."""
+    dist.barrier()
+    with CommCounter() as counter:
+        step()
+    _sync(me.device)
+    return {
+        "comm_counts": {k.value: v for k, v in counter.get_comm_counts().items()},
+        "comm_bytes": {k.value: v for k, v in counter.get_comm_bytes().items()},
+    }
 
 
 def _announce_round(
