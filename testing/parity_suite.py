@@ -185,13 +185,9 @@ def parity_scenarios(
         given = [key for key, value in custom_options.items() if value not in (None, ())]
         if given:
             raise ValueError(f"{', '.join(given)} apply to your own model: pass model_factory")
-        _check_features(features, FEATURES)
-        specs = select(all_specs(), api=tuple(apis), mesh=tuple(meshes or ()))
-        if features is not None:
-            specs = [spec for spec in specs if spec.feature in features]
+        specs = _suite_specs(apis, meshes, features)
     else:
         assert make_inputs is not None
-        _check_features(features, (*CUSTOM_FEATURES, *CUSTOM_OPTIONAL_FEATURES))
         custom = CustomModel(
             model_factory,
             make_inputs,
@@ -201,20 +197,7 @@ def parity_scenarios(
             rtol=rtol,
             atol=atol,
         )
-        wanted_meshes = tuple(meshes or WRAPPER_MESHES)
-        bad = sorted(set(wanted_meshes) - set(WRAPPER_MESHES))
-        if bad:
-            raise ValueError(
-                f"mesh(es) {bad} need a tensor-parallel plan for your model; a custom model "
-                f"runs on {list(WRAPPER_MESHES)}"
-            )
-        specs = []
-        for api in apis:
-            for mesh in wanted_meshes:
-                for feature in features or CUSTOM_FEATURES:
-                    if feature == "orig-params" and api != "wrapper":
-                        continue
-                    specs.append(ScenarioSpec(api, mesh, feature, name, custom=custom))
+        specs = _custom_specs(custom, name, apis, meshes, features)
     if not specs:
         raise ValueError(
             f"no scenario runs apis={list(apis)}, meshes={meshes}, features={features} "
@@ -226,6 +209,43 @@ def parity_scenarios(
             spec, spec.world_size(world_size, resize=options.resizes_worlds), steps, seed
         )
         for spec in specs
+    ]
+
+
+def _suite_specs(
+    apis: Sequence[str], meshes: Sequence[str] | None, features: Sequence[str] | None
+) -> list[ScenarioSpec]:
+    """The suite's own scenarios of ``apis``, ``meshes`` and ``features`` (``None``: all)."""
+    _check_features(features, FEATURES)
+    specs = select(all_specs(), api=tuple(apis), mesh=tuple(meshes or ()))
+    if features is not None:
+        specs = [spec for spec in specs if spec.feature in features]
+    return specs
+
+
+def _custom_specs(
+    custom: CustomModel,
+    name: str,
+    apis: Sequence[str],
+    meshes: Sequence[str] | None,
+    features: Sequence[str] | None,
+) -> list[ScenarioSpec]:
+    """A user's model under ``apis``, on ``meshes`` (a custom model has no tensor-parallel
+    plan, so 1-D and HSDP only), with ``features`` (``None``: the defaults)."""
+    _check_features(features, (*CUSTOM_FEATURES, *CUSTOM_OPTIONAL_FEATURES))
+    wanted_meshes = tuple(meshes or WRAPPER_MESHES)
+    bad = sorted(set(wanted_meshes) - set(WRAPPER_MESHES))
+    if bad:
+        raise ValueError(
+            f"mesh(es) {bad} need a tensor-parallel plan for your model; a custom model "
+            f"runs on {list(WRAPPER_MESHES)}"
+        )
+    return [
+        ScenarioSpec(api, mesh, feature, name, custom=custom)
+        for api in apis
+        for mesh in wanted_meshes
+        for feature in features or CUSTOM_FEATURES
+        if feature != "orig-params" or api == "wrapper"  # the wrapper's option alone
     ]
 
 
