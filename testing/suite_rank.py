@@ -138,6 +138,58 @@ def _state_dict_phases(steps: int) -> tuple[int, int]:
     return before, max(1, steps - before)
 
 
+def _train_phases(
+    built: BuiltScenario,
+    steps: int,
+    tally: CommTally,
+    seen: list[ParityDiffs],
+    losses: list[float],
+) -> None:
+    """Train ``built`` against its reference for ``steps`` steps, or, for a state-dict
+    scenario, part of them, then save, load into a fresh model and train the rest; each
+    phase's differences go to ``seen`` and its losses to ``losses`` as it ends."""
+
+    def phase(model: Any, ref_model: Any, count: int) -> None:
+        trained = _train(built, model, ref_model, count, tally)
+        seen.append(trained.diffs)
+        losses.extend(trained)
+
+    if built.reload is None:
+        phase(built.model, built.ref_model, steps)
+        return
+    before, after = _state_dict_phases(steps)
+    phase(built.model, built.ref_model, before)
+    phase(built.reload(built.model), copy.deepcopy(built.ref_model), after)
+
+
+def _merged(seen: list[ParityDiffs]) -> ParityDiffs | None:
+    merged: ParityDiffs | None = None
+    for diffs in seen:
+        merged = _merge(merged, diffs)
+    return merged
+
+
+def _record_diffs(result: ScenarioResult, diffs: ParityDiffs | None) -> None:
+    if diffs is not None:
+        result.max_loss_diff = diffs.max_loss_diff
+        result.max_grad_diff = diffs.max_grad_diff
+        result.max_param_diff = diffs.max_param_diff
+        result.rtol, result.atol = diffs.rtol, diffs.atol
+
+
+def _record_comms(
+    result: ScenarioResult, built: BuiltScenario, tally: CommTally, trained_steps: int
+) -> None:
+    """The collectives per step against those expected; a passed scenario that sent other
+    counts, or fewer bytes than the minimum, fails here."""
+    counts, nbytes = tally.per_step(trained_steps)
+    expected, minimum = expected_per_step(built.units, built.shape)
+    result.counts, result.expected_counts = counts, expected
+    result.bytes_per_step, result.min_bytes_per_step = round(nbytes), round(minimum)
+    if result.status == "passed":
+        result.status, result.message = _check_comms(counts, expected, nbytes, minimum)
+
+
 def run_scenario(
     spec: ScenarioSpec,
     device: torch.device,
@@ -174,42 +226,20 @@ def run_scenario(
     # is building from. Models are built seeded, one at a time (testing.build.build_seeded).
     built = build_scenario(spec, device, seed=seed, nodes=nodes)
     tally = CommTally()
-    trained_steps = steps
-    diffs: ParityDiffs | None = None
+    seen: list[ParityDiffs] = []  # each training phase's differences
     try:
-        if built.reload is None:
-            trained = _train(built, built.model, built.ref_model, steps, tally)
-            diffs = trained.diffs
-            result.losses = list(trained)
-        else:
-            before, after = _state_dict_phases(steps)
-            trained_steps = before + after
-            trained = _train(built, built.model, built.ref_model, before, tally)
-            diffs = trained.diffs
-            result.losses = list(trained)
-            fresh = built.reload(built.model)
-            ref_model = copy.deepcopy(built.ref_model)
-            trained = _train(built, fresh, ref_model, after, tally)
-            diffs = _merge(diffs, trained.diffs)
-            result.losses += list(trained)
+        _train_phases(built, steps, tally, seen, result.losses)
     except AssertionError as error:
         if not hasattr(error, "parity"):  # not the checker's (agreed) verdict: a crash
             raise
         result.status = "failed"
         result.traceback = traceback.format_exc()
-        messages, diffs = _gather_failures(error, _merge(diffs, error.parity))
+        messages, diffs = _gather_failures(error, _merge(_merged(seen), error.parity))
         result.message = describe_parity_failure(messages)
-    if diffs is not None:
-        result.max_loss_diff = diffs.max_loss_diff
-        result.max_grad_diff = diffs.max_grad_diff
-        result.max_param_diff = diffs.max_param_diff
-        result.rtol, result.atol = diffs.rtol, diffs.atol
-    counts, nbytes = tally.per_step(trained_steps)
-    expected, minimum = expected_per_step(built.units, built.shape)
-    result.counts, result.expected_counts = counts, expected
-    result.bytes_per_step, result.min_bytes_per_step = round(nbytes), round(minimum)
-    if result.status == "passed":
-        result.status, result.message = _check_comms(counts, expected, nbytes, minimum)
+        seen = [] if diffs is None else [diffs]
+    _record_diffs(result, _merged(seen))
+    trained_steps = steps if built.reload is None else sum(_state_dict_phases(steps))
+    _record_comms(result, built, tally, trained_steps)
     result.seconds = time.perf_counter() - start
     return result
 
