@@ -114,7 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     select.add_argument("--api", action="append", default=[], choices=APIS)
     select.add_argument("--mesh", action="append", default=[], choices=MESHES)
-    run = parser.add_argument_group("how to run")
+    _add_run_options(parser.add_argument_group("how to run"))
+    out = parser.add_argument_group("outputs")
+    out.add_argument("--json", metavar="FILE", help="write results and run metadata as JSON")
+    out.add_argument("--junit-xml", metavar="FILE", help="write JUnit XML (for CI)")
+    return parser
+
+
+def _add_run_options(run: argparse._ArgumentGroup) -> None:
     run.add_argument(
         "--backend",
         choices=("threaded", "gloo", "nccl"),
@@ -156,10 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exit 0 when every selected scenario was skipped (default: that is a failure)",
     )
-    out = parser.add_argument_group("outputs")
-    out.add_argument("--json", metavar="FILE", help="write results and run metadata as JSON")
-    out.add_argument("--junit-xml", metavar="FILE", help="write JUnit XML (for CI)")
-    return parser
 
 
 def _unique(values: Sequence[str]) -> tuple[str, ...]:

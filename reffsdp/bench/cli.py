@@ -39,6 +39,25 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ende
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m reffsdp.bench", description=DESCRIPTION)
+    _add_where_and_what(p)
+    _add_how_to_train(p)
+    p.add_argument("--json", metavar="FILE", help="also write the results here (default: none)")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write a Chrome trace per rank of one extra round, and on CPU one of each "
+        "reffsdp implementation's step on simulated GPU streams (default: none)",
+    )
+    p.add_argument(
+        "--scaling",
+        action="store_true",
+        help="scaling tables: model size, world size, fake process group (default: off)",
+    )
+    return p
+
+
+def _add_where_and_what(p: argparse.ArgumentParser) -> None:
+    """The model, and the ranks, backend and device it trains on."""
     p.add_argument(
         "--model",
         choices=("transformer", "mlp"),
@@ -66,6 +85,10 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="default: cuda with --backend nccl, else cpu",
     )
+
+
+def _add_how_to_train(p: argparse.ArgumentParser) -> None:
+    """Steps and rounds timed, the sharding options, and which implementations."""
     p.add_argument(
         "--steps", type=int, default=3, help="timed steps per round (default: %(default)s)"
     )
@@ -100,19 +123,6 @@ def parser() -> argparse.ArgumentParser:
         default=list(IMPLS),
         help="implementations to run (default: all)",
     )
-    p.add_argument("--json", metavar="FILE", help="also write the results here (default: none)")
-    p.add_argument(
-        "--profile",
-        metavar="DIR",
-        help="write a Chrome trace per rank of one extra round, and on CPU one of each "
-        "reffsdp implementation's step on simulated GPU streams (default: none)",
-    )
-    p.add_argument(
-        "--scaling",
-        action="store_true",
-        help="scaling tables: model size, world size, fake process group (default: off)",
-    )
-    return p
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
