@@ -320,9 +320,10 @@ def _check_rank0_states_everywhere(gathered: list[list[tuple[Names, Summary]]]) 
     if missing:
         lines = "\n".join(f"rank {rank}: {names}" for rank, names in missing.items())
         raise RuntimeError(
-            "every rank's optimizer must hold state for the parameters rank 0's optimizer "
-            "holds state for, but some ranks are missing the state of these parameters:\n"
-            f"{lines}"
+            "FSDP currently requires each rank to have at least the optimizer states needed "
+            "by rank 0's optimizer but some ranks are missing some of those states: every "
+            "rank's optimizer must hold state for the parameters rank 0's holds state for; "
+            f"missing:\n{lines}"
         )
 
 
