@@ -262,6 +262,33 @@ class TestWrapperStateDict(NextToTorchsWrapper):
         self.assertEqual(set(results["ours"].values()), {2.0})  # as saved
         self.assertEqual(results["ours"], results["torch"])
 
+    def test_loading_inconsistent_flat_parameter_state_raises_like_torch(self):
+        """The originals flattened into one flat parameter must name the same states and
+        share one ``step``: a state dict that breaks either raises torch's ``ValueError``,
+        whose wording torch's tests (and users' code) match, on both wrappers."""
+        cases = {
+            "no state for one original": (
+                lambda state: state.pop("1.bias"),
+                "^All unflattened parameters comprising a single flat parameter must have "
+                "scalar state with the same value and dtype",
+            ),
+            "one original lacks a state name": (
+                lambda state: state["1.bias"].pop("exp_avg"),
+                "^Differing optimizer state names for the unflattened parameters",
+            ),
+        }
+        for wrapper, kwargs in ((TorchFSDP, {"device_id": torch.device("cpu")}), (FSDP, {})):
+            torch.manual_seed(0)
+            model = wrapper(torch.nn.Sequential(MLP(DIM), torch.nn.Linear(DIM, DIM)), **kwargs)
+            optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+            model(make_inputs(0, self.rank)).sum().backward()
+            optim.step()
+            for case, (edit, message) in cases.items():
+                saved = wrapper.optim_state_dict(model, optim)
+                edit(saved["state"])
+                with self.assertRaisesRegex(ValueError, message, msg=f"{wrapper}: {case}"):
+                    wrapper.optim_state_dict_to_load(model, optim, saved)
+
     def test_names_and_types_match_torch(self):
         for use_orig_params in (False, True):
             base = _blocks()
