@@ -67,6 +67,7 @@ def _sum_without_divide() -> Iterator[None]:
             pre_factor=None,
             post_factor=None,
             premul_factor=None,
+            copy_divisor=None,
         )
 
     with mock.patch.object(collectives, "plan_reduction", plan_reduction):

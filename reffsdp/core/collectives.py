@@ -27,6 +27,9 @@ collective average (``AVG``), or pre-multiply by ``1/f`` (``PREMUL_SUM``) for a 
 factor ``f``. Otherwise we sum, dividing by ``pre`` before and ``post`` after the sum so
 fp16 neither underflows nor overflows (see ``sharding.pre_post_divide_factors``). Backends
 without ``AVG`` or ``PREMUL_SUM`` (gloo lacks ``PREMUL_SUM``) fall back to sum + divide.
+With one rank per shard group the reduce-scatter is a copy, and a custom factor is applied
+in that copy, as one out-of-place division (as torch's ``fully_shard`` does): the all-reduce
+hook sees the divided gradient there too, whatever the backend.
 
 [Note: custom reductions]
 A front end may replace a group's whole reduction (reduce-scatter, HSDP all-reduce and
@@ -164,6 +167,7 @@ class ReducePlan:
     pre_factor: float | None  # divide before the collective
     post_factor: float | None  # divide after the collective
     premul_factor: float | None = None  # the factor inside a PREMUL_SUM op
+    copy_divisor: float | None = None  # shard size 1: the copy that stands in divides by it
 
 
 def plan_reduction(
@@ -192,6 +196,9 @@ def plan_reduction(
                 return ReducePlan(dist.ReduceOp.AVG, dist.ReduceOp.AVG, None, None)
         elif divide_factor == mesh_info.shard_size and comms.supports_reduce_op(group, AVG):
             return ReducePlan(dist.ReduceOp.AVG, sum_op, None, None)
+        elif mesh_info.shard_size == 1:
+            divisor = divide_factor if divide_factor != 1 else None
+            return ReducePlan(sum_op, sum_op, None, None, copy_divisor=divisor)
         elif comms.supports_reduce_op(group, dist.ReduceOp.PREMUL_SUM):
             factor = 1.0 / divide_factor
             return ReducePlan(premul_sum(factor), sum_op, None, None, factor)
@@ -328,8 +335,8 @@ def foreach_reduce(
     if plan.pre_factor is not None:
         rs_input.div_(plan.pre_factor)
     if world_size == 1:
-        # One rank: the reduction is the identity (AVG and SUM alike) up to a premultiply.
-        output = rs_input if plan.premul_factor is None else rs_input.mul_(plan.premul_factor)
+        # One rank: the reduction is the identity (AVG and SUM alike) up to a divide factor.
+        output = rs_input if plan.copy_divisor is None else rs_input / plan.copy_divisor
         return PendingReduce(members, spec, input=rs_input, output=output)
     output = rs_input.new_empty(shard_numel)
     group = spec.group if spec.group is not None else spec.mesh_info.shard_group

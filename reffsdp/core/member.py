@@ -248,16 +248,21 @@ class PaddedShardMember(GroupMember):
     # -- gradients kept while sync is off -----------------------------------------------
 
     def keep_unsharded_grad(self) -> None:
-        """Gradient sync is off: add this backward's gradient to the kept one (made in the
-        reduce dtype, else the gradient's own, at the first)."""
+        """Gradient sync is off: add this backward's gradient to the kept one (made in
+        :meth:`_kept_grad_dtype` at the first)."""
         grad = self._pop_unsharded_grad()
         if grad is None:
             return
         if self.unsharded_accumulated_grad is None:
-            dtype = self.reduce_dtype or grad.dtype
+            dtype = self._kept_grad_dtype(grad)
             self.unsharded_accumulated_grad = grad.to(dtype, copy=True)
         else:
             self.unsharded_accumulated_grad += grad
+
+    def _kept_grad_dtype(self, grad: torch.Tensor) -> torch.dtype:
+        """The dtype gradients kept while sync is off add up in: the reduce dtype, else the
+        gradient's own (torch's ``fully_shard`` upcasts them so)."""
+        return self.reduce_dtype or grad.dtype
 
     def _take_unsharded_grad(self) -> torch.Tensor | None:
         """Pop this backward's gradient plus any kept while sync was off (``None``: neither)."""

@@ -289,6 +289,16 @@ def is_fsdp_managed(module: nn.Module) -> bool:
     return bool(getattr(module, "_is_fsdp_managed_module", False))
 
 
+def register_composable_api(module: nn.Module, api_name: str) -> None:
+    """Record ``api_name`` in the registry torch's composable APIs keep on ``module``: torch's
+    ``replicate`` leaves alone the parameters of modules registered as ``fully_shard``, and
+    only torch's private ``contract`` module names the registry."""
+    from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
+
+    registry = module.__dict__.setdefault(REGISTRY_KEY, {})
+    registry.setdefault(api_name, RegistryItem())
+
+
 # -- nn.Module -------------------------------------------------------------------------------
 
 

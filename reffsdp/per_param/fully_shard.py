@@ -19,7 +19,7 @@ from torch.distributed.tensor import Shard
 from ..core.compile_support import mark_fsdp_managed
 from ..core.mesh import MeshInfo
 from ..core.param_group import GroupSettings, ParamGroup
-from ..core.torch_internals import is_fsdp_managed
+from ..core.torch_internals import is_fsdp_managed, register_composable_api
 from .api import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -98,6 +98,7 @@ def fully_shard(
     FSDPState(modules, group, device, mp_policy, auto_reshard_root=reshard_after_forward is None)
     for m in modules:
         _swap_class(m)
+        register_composable_api(m, "fully_shard")  # torch's replicate then skips m
     mark_fsdp_managed(managed)  # also read by _managed_modules, for nesting order
     return module
 

@@ -27,11 +27,12 @@ views of its freed unsharded flat parameter: code that walks names with ``getatt
 
 [Note: gradients kept while sync is off]
 Inside ``no_sync()`` a backward reduces nothing: the handle adds the unsharded flat gradient
-to ``unsharded_accumulated_grad`` (1-D, ``total_numel``) and shows it, as torch's wrapper
-does, as ``FlatParameter.grad`` (or, with ``use_orig_params=True``, as each trainable
-original's ``.grad``, a full-shaped view of it), setting aside what ``.grad`` held (the
-shard gradient of earlier synced steps). The shown gradient is this rank's own and whole,
-so the shapes differ from the sharded parameters' under the sharded strategies: an
+to ``unsharded_accumulated_grad`` (1-D, ``total_numel``, in the dtype backward made it in:
+the param dtype under mixed precision, cast only for the reduction) and shows it, as torch's
+wrapper does, as ``FlatParameter.grad`` (or, with ``use_orig_params=True``, as each
+trainable original's ``.grad``, a full-shaped view of it), setting aside what ``.grad`` held
+(the shard gradient of earlier synced steps). The shown gradient is this rank's own and
+whole, so the shapes differ from the sharded parameters' under the sharded strategies: an
 optimizer step before a synced backward fails on them, as with torch's wrapper, while under
 ``NO_SHARD`` it steps with this rank's gradient, as ``DistributedDataParallel.no_sync()``
 does. In-place edits of the shown gradient edit what is kept. Before the next backward's
@@ -488,6 +489,11 @@ class FlatParamHandle(PaddedShardMember):
         # The reduce-scatter's copy-in pads dim 0 to world_size chunks of shard_numel
         # (ceil(total_numel / world_size)) elements: no padded copy is needed here.
         return grad
+
+    def _kept_grad_dtype(self, grad: torch.Tensor) -> torch.dtype:
+        # torch's wrapper leaves the kept gradient in the dtype backward made it in (the
+        # param dtype under mixed precision) and casts only for the reduction.
+        return grad.dtype
 
     def keep_unsharded_grad(self) -> None:
         self._hide_kept_grad()

@@ -37,8 +37,11 @@ under which state names, dtypes and scalar values):
    every rank, naming the ranks and parameters). The state dict lists parameters in rank 0's
    optimizer order, as torch's does;
 2. original parameters (``use_orig_params=True``): any rank's state counts, since a rank
-   holding no piece of a parameter has none. Names are listed as torch lists them:
-   unmanaged parameters first, then each instance's, each run sorted by name.
+   holding no piece of a parameter has none. Its 0-dim and non-tensor values (``step``)
+   come from the ranks holding a piece, as torch's wrapper takes them: a rank whose pieces
+   are empty may keep stale ones (a named optimizer keeps its own state for such a
+   parameter when loading). Names are listed as torch lists them: unmanaged parameters
+   first, then each instance's, each run sorted by name.
 
 Collectives then run per parameter in model order; which state names a parameter has comes
 from the summaries, never from one rank's optimizer alone.
@@ -235,7 +238,7 @@ def _named_param_groups(
 
 # -- agreeing on what to save ---------------------------------------------------------------
 
-# Per state name: (dtype, None) for a tensor of 1+ dims, (None, value) for anything else.
+# Per state name: (dtype, numel) of a tensor of 1+ dims, else (None, the value).
 Summary = dict[str, tuple[torch.dtype | None, Any]]
 
 
@@ -250,7 +253,7 @@ class _Plan:
 def _summary(values: dict[str, Any]) -> Summary:
     def describe(value: Any) -> tuple[torch.dtype | None, Any]:
         if is_shardable(value):
-            return value.dtype, None
+            return value.dtype, value.numel()
         return None, value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
     return {name: describe(value) for name, value in values.items()}
@@ -277,15 +280,25 @@ def _agree(
 def _any_ranks_plan(
     gathered: list[list[tuple[Names, Summary]]], all_owners: dict[nn.Parameter, Owner]
 ) -> _Plan:
-    """Rule 2: every parameter some rank has state for, its state names over all ranks."""
-    summaries: dict[Names, Summary] = {}
+    """Rule 2: every parameter some rank has state for, its state names over all ranks,
+    values first from the ranks holding a piece of it."""
+    per_param: dict[Names, list[Summary]] = {}
     for rank_summaries in gathered:
         for names, summary in rank_summaries:
-            merged = summaries.setdefault(names, {})
+            per_param.setdefault(names, []).append(summary)
+    summaries: dict[Names, Summary] = {}
+    for names, rank_summaries in per_param.items():
+        merged = summaries[names] = {}
+        for summary in sorted(rank_summaries, key=_holds_no_piece):  # stable: holders first
             for name, entry in summary.items():
                 merged.setdefault(name, entry)
     by_names = {owner.fqns: owner for owner in all_owners.values()}
     return _Plan(summaries, _orig_params_order(list(summaries), by_names))
+
+
+def _holds_no_piece(summary: Summary) -> bool:
+    """Whether a rank's state of a parameter has only empty tensors (it holds no piece)."""
+    return any(dtype is not None and numel == 0 for dtype, numel in summary.values())
 
 
 def _model_group(all_owners: dict[nn.Parameter, Owner]) -> dist.ProcessGroup | None:
@@ -307,9 +320,10 @@ def _check_rank0_states_everywhere(gathered: list[list[tuple[Names, Summary]]]) 
     if missing:
         lines = "\n".join(f"rank {rank}: {names}" for rank, names in missing.items())
         raise RuntimeError(
-            "every rank's optimizer must hold state for the parameters rank 0's optimizer "
-            "holds state for, but some ranks are missing the state of these parameters:\n"
-            f"{lines}"
+            "FSDP currently requires each rank to have at least the optimizer states needed "
+            "by rank 0's optimizer but some ranks are missing some of those states: every "
+            "rank's optimizer must hold state for the parameters rank 0's holds state for; "
+            f"missing:\n{lines}"
         )
 
 
@@ -389,9 +403,10 @@ def _whole_orig_state(
     piece = instance.handle.rank_shard.params[index]
     layout = instance.handle.layout
     out: dict[str, Any] = {}
+    holds_piece = piece.in_shard and piece.numel_in_shard > 0
     for name, (dtype, value) in summary.items():
-        if dtype is None:
-            out[name] = copy_value(local.get(name, value))
+        if dtype is None:  # rule 2: a value of the ranks holding a piece
+            out[name] = copy_value(local[name] if holds_piece and name in local else value)
             continue
         shard = torch.zeros(layout.shard_numel, dtype=dtype, device=instance.device)
         if name in local and piece.in_shard and piece.numel_in_shard:

@@ -196,8 +196,9 @@ def _flat_param_shard(owner: Owner, states: list[dict[str, Any] | None]) -> dict
     for fqn, values in present:
         if set(values) != set(names):  # rule 3
             raise ValueError(
-                f"the parameters flattened into one FlatParameter must have the same "
-                f"optimizer state names, but {present[0][0]!r} has {sorted(names)} and "
+                f"Differing optimizer state names for the unflattened parameters: "
+                f"{list(owner.fqns)}: the parameters flattened into one FlatParameter must "
+                f"have the same state names, but {present[0][0]!r} has {sorted(names)} and "
                 f"{fqn!r} has {sorted(values)}"
             )
     out = {}
@@ -208,8 +209,8 @@ def _flat_param_shard(owner: Owner, states: list[dict[str, Any] | None]) -> dict
             out[name] = None
         elif len(kinds) > 1:
             raise ValueError(
-                f"optimizer state {name!r} of the parameters {list(owner.fqns)}, flattened "
-                f"into one FlatParameter, mixes kinds of values: {sorted(kinds)}"
+                f"Differing optimizer state types for state {name!r} of the parameters "
+                f"{list(owner.fqns)}, flattened into one FlatParameter: {sorted(kinds)}"
             )
         elif kinds == {"tensor"}:
             out[name] = _flat_tensor_shard(owner, name, values)
@@ -233,8 +234,9 @@ def _flat_tensor_shard(owner: Owner, name: str, values: list[Any]) -> torch.Tens
     dtypes = sorted({str(v.dtype) for v in values if v is not None})
     if len(dtypes) > 1:
         raise ValueError(
-            f"optimizer state {name!r} of the parameters {list(owner.fqns)}, flattened into "
-            f"one FlatParameter, must have one dtype, got {dtypes}"
+            "All unflattened parameters comprising a single flat parameter must have "
+            f"positive-dimension tensor state with the same dtype but got dtypes {dtypes} "
+            f"for state {name!r} of the parameters {list(owner.fqns)}"
         )
     dtype = next(v.dtype for v in values if v is not None)
     flat = torch.zeros(layout.padded_numel, dtype=dtype, device=instance.device)
@@ -252,9 +254,10 @@ def _shared_value(owner: Owner, name: str, values: list[Any]) -> Any:
     if not all(v is not None and _same(v, first) for v in values):
         shown = [v.item() if isinstance(v, torch.Tensor) else v for v in values]
         raise ValueError(
-            f"the parameters {list(owner.fqns)}, flattened into one FlatParameter, share one "
-            f"value of optimizer state {name!r}, but have {shown} (None: no state); give "
-            "every one of them the same value"
+            "All unflattened parameters comprising a single flat parameter must have scalar "
+            f"state with the same value and dtype but got values {shown} (None: no state) "
+            f"for state {name!r} of the parameters {list(owner.fqns)}, flattened into one "
+            "FlatParameter: give every one of them the same value"
         )
     return copy_value(first)
 

@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from reffsdp import FSDPModule, fully_shard
 from reffsdp.core import comms
@@ -250,3 +252,46 @@ class TestFullyShardGradientsWorldSize4(TestFullyShardGradients):
     @property
     def world_size(self) -> int:
         return 4
+
+
+class _RecordDivisions(TorchDispatchMode):
+    """Record every division and multiplication op run under it, by overload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[object] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("div", "div_", "mul", "mul_"):
+            self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+class TestFullyShardGradientsOneRank(FSDPTestMultiThread):
+    """With one rank the reduce-scatter is a copy: a divide factor divides in that copy."""
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def test_divide_factor_divides_once_in_the_copy(self):
+        self.run_subtests({"factor": [None, 1.0, 2.0, 3.0]}, self._test_divide_factor_one_rank)
+
+    def _test_divide_factor_one_rank(self, factor: float | None):
+        model = nn.Linear(8, 4, bias=False)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        if factor is not None:
+            model.set_gradient_divide_factor(factor)
+        hook_saw = []
+        model.set_all_reduce_hook(lambda reduced: hook_saw.append(reduced.clone()))
+        loss = model(torch.ones(3, 8)).sum()
+        with _RecordDivisions() as record:
+            loss.backward()
+        # torch's fully_shard divides out of place, once, when it copies the one rank's
+        # gradient into the reduced output: the hook then sees the divided gradient, as it
+        # does where the collective divides (PREMUL_SUM, AVG).
+        divides = factor is not None and factor != 1
+        self.assertEqual(record.ops, [torch.ops.aten.div.Tensor] if divides else [])
+        expected = torch.full((4, 8), 3 / (factor or 1))
+        torch.testing.assert_close(model.weight.grad.to_local(), expected)
+        torch.testing.assert_close(hook_saw, [expected.view(-1)])

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from reffsdp import fully_shard
 from reffsdp.testing import (
     MLP,
     FSDPTestMultiThread,
@@ -80,3 +81,19 @@ class TestFullyShardInterop(FSDPTestMultiThread):
             num_steps=3,
             prefixes_to_ignore=("_checkpoint_wrapped_module.",),
         )
+
+    def test_replicate_leaves_sharded_children_to_fully_shard(self):
+        """torch's composable ``replicate`` on a model whose child ``fully_shard`` sharded:
+        ``replicate`` asks torch's composable-API registry which modules ``fully_shard``
+        manages and leaves their parameters alone (a plain tensor in place of each DTensor
+        would be a replacement of the wrong size); the rest it replicates, DDP-style."""
+        from torch.distributed._composable import replicate
+
+        model = init_deterministic(nn.Sequential(nn.Linear(8, 8), MLP(8), MLP(8)))
+        ref_model = copy.deepcopy(model)
+        fully_shard(model[1], reshard_after_forward=False)
+        fully_shard(model[2])
+        replicate(model)
+        self.assertIsInstance(model[1].in_proj.weight, DTensor)
+        self.assertNotIsInstance(model[0].weight, DTensor)
+        check_train_parity(self, ref_model, model, random_inputs(4, 8), num_steps=3)

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.distributed.fsdp import StateDictType as TorchStateDictType
 from torch.distributed.fsdp._debug_utils import SimpleProfiler
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+from torch.distributed.optim import _NamedOptimizer
 from torch.distributed.tensor import DTensor, Shard
 
 from reffsdp import FullyShardedDataParallel as FSDP
@@ -230,6 +231,63 @@ class TestWrapperStateDict(NextToTorchsWrapper):
             config = FullOptimStateDictConfig(rank0_only=True)
             _, rank0_state = save(model, optim, FULL, None, config)
             self.assertEqual(rank0_state == {}, self.rank != 0)
+
+    def test_orig_params_step_comes_from_ranks_holding_a_piece(self):
+        """With ``use_orig_params=True`` a rank may hold an empty piece of a parameter, and a
+        named optimizer keeps its own state for it when loading (as torch's does): a saved
+        ``step`` must come from the ranks holding a piece, as torch's wrapper takes it, not
+        from that stale state."""
+        results = {}
+        for which, wrapper, kwargs in (
+            ("torch", TorchFSDP, {"device_id": torch.device("cpu")}),
+            ("ours", FSDP, {}),
+        ):
+            torch.manual_seed(0)
+            model = wrapper(MLP(DIM), use_orig_params=True, **kwargs)
+            optim = _NamedOptimizer(model.named_parameters(), torch.optim.Adam, lr=1e-2)
+            for param in model.parameters():  # state for every parameter, pieces empty or not
+                param.grad = torch.zeros_like(param)
+            for step in range(5):
+                if step == 2:
+                    saved = wrapper.optim_state_dict(model, optim)
+                optim.step()
+                model(make_inputs(step, self.rank)).sum().backward()
+            optim.load_state_dict(
+                wrapper.optim_state_dict_to_load(model, optim, saved, is_named_optimizer=True)
+            )
+            results[which] = {
+                name: float(values["step"])
+                for name, values in wrapper.optim_state_dict(model, optim)["state"].items()
+            }
+        self.assertEqual(set(results["ours"].values()), {2.0})  # as saved
+        self.assertEqual(results["ours"], results["torch"])
+
+    def test_loading_inconsistent_flat_parameter_state_raises_like_torch(self):
+        """The originals flattened into one flat parameter must name the same states and
+        share one ``step``: a state dict that breaks either raises torch's ``ValueError``,
+        whose wording torch's tests (and users' code) match, on both wrappers."""
+        cases = {
+            "no state for one original": (
+                lambda state: state.pop("1.bias"),
+                "^All unflattened parameters comprising a single flat parameter must have "
+                "scalar state with the same value and dtype",
+            ),
+            "one original lacks a state name": (
+                lambda state: state["1.bias"].pop("exp_avg"),
+                "^Differing optimizer state names for the unflattened parameters",
+            ),
+        }
+        for wrapper, kwargs in ((TorchFSDP, {"device_id": torch.device("cpu")}), (FSDP, {})):
+            torch.manual_seed(0)
+            model = wrapper(torch.nn.Sequential(MLP(DIM), torch.nn.Linear(DIM, DIM)), **kwargs)
+            optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+            model(make_inputs(0, self.rank)).sum().backward()
+            optim.step()
+            for case, (edit, message) in cases.items():
+                saved = wrapper.optim_state_dict(model, optim)
+                edit(saved["state"])
+                with self.assertRaisesRegex(ValueError, message, msg=f"{wrapper}: {case}"):
+                    wrapper.optim_state_dict_to_load(model, optim, saved)
 
     def test_names_and_types_match_torch(self):
         for use_orig_params in (False, True):

@@ -477,6 +477,34 @@ class TestWrapperFeatures(FSDPTestMultiThread):
         self.assertEqual(grads[:2], grads[2:])
         self.assertEqual(grads[0], [False, True, True, True] if self.rank == 0 else [False] * 4)
 
+    def test_gradient_kept_under_no_sync_stays_in_param_dtype_like_torch(self):
+        """Under ``no_sync()`` with ``MixedPrecision(param_dtype=fp16, reduce_dtype=fp32)``
+        torch's wrapper keeps the unsharded gradient in fp16, the dtype the backward made it
+        in, so ``.grad`` shows fp16 until a synced backward reduces it in fp32."""
+        mixed = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
+        for strategy in (
+            ShardingStrategy.FULL_SHARD,
+            ShardingStrategy.SHARD_GRAD_OP,
+            ShardingStrategy.NO_SHARD,
+        ):
+            for use_orig_params in (False, True):
+                model = FullyShardedDataParallel(
+                    nn.Linear(3, 3),
+                    sharding_strategy=strategy,
+                    mixed_precision=mixed,
+                    use_orig_params=use_orig_params,
+                )
+                where = f"{strategy.name}, use_orig_params={use_orig_params}"
+                inputs = torch.randn(2, 3)
+                with model.no_sync():
+                    for _ in range(2):
+                        model(inputs).sum().backward()
+                        grads = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+                        self.assertEqual(grads, {torch.float16}, where)
+                model(inputs).sum().backward()
+                grads = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+                self.assertEqual(grads, {torch.float32}, where)
+
     def test_repr_matches_torch_before_and_after_a_step(self):
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 

@@ -56,3 +56,12 @@ def test_one_rank_sums():
     with fake_process_group(1, 0):
         info = mesh_info_for(init_device_mesh("cpu", (1,)))
         assert _ops(plan_reduction(info, torch.float32)) == (SUM, SUM, None, None)
+
+
+def test_one_rank_divides_in_the_copy():
+    with fake_process_group(1, 0):
+        info = mesh_info_for(init_device_mesh("cpu", (1,)))
+        plan = plan_reduction(info, torch.float32, divide_factor=2.0)
+        assert _ops(plan) == (SUM, SUM, None, None)
+        assert (plan.premul_factor, plan.copy_divisor) == (None, 2.0)
+        assert plan_reduction(info, torch.float32, divide_factor=1.0).copy_divisor is None
