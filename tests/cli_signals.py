@@ -40,6 +40,13 @@ def deadline_s() -> float:
     return DEADLINE_S + time.monotonic() - start
 
 
+def ctrl_c_as_in_a_terminal() -> None:
+    """``preexec_fn`` for a command these tests interrupt: SIGINT acts by default in it, as
+    in a terminal, even when this test process was started with SIGINT ignored (a
+    background job of a shell without job control is), which the command would inherit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @dataclasses.dataclass
 class Interrupted:
     returncode: int
@@ -60,6 +67,7 @@ def interrupt(args: list[str], ready: str, how: str, timeout_s: float = 240.0) -
             stderr=errors,
             text=True,
             start_new_session=True,
+            preexec_fn=ctrl_c_as_in_a_terminal,
         )
         try:
             lines = _read_until(process, ready, time.monotonic() + timeout_s)

@@ -29,6 +29,7 @@ from torch import nn
 from reffsdp import fully_shard
 from reffsdp.testing.multiprocess import FSDPTest
 from reffsdp.testing.multithread import FSDPTestMultiThread
+from tests.cli_signals import ctrl_c_as_in_a_terminal
 
 _HANG_TIMEOUT_S = 4.0
 
@@ -275,6 +276,7 @@ class _HangingPytest:
             env=dict(os.environ, RANKS_READY_DIR=str(directory)),
             stdout=self._output,
             stderr=subprocess.STDOUT,
+            preexec_fn=ctrl_c_as_in_a_terminal,
         )
         self.ranks: set[int] = set()
         self.started: set[int] = set()  # the ranks, the fork server and its resource tracker
