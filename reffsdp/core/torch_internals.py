@@ -170,6 +170,14 @@ def dtensor_from_spec(local: torch.Tensor, spec: Any) -> DTensor:
     return DTensor(local, spec, requires_grad=False)
 
 
+def dtensor_local(dtensor: DTensor) -> torch.Tensor:
+    """The tensor ``dtensor`` holds, read as an attribute. ``to_local()`` is a call that a
+    functorch transform sees: inside ``torch.func.jvp`` (a first forward there runs lazy
+    init) it returns a wrapper whose storage cannot be read, and lazy init compares
+    storages."""
+    return dtensor._local_tensor
+
+
 def set_dtensor_local(dtensor: DTensor, local: torch.Tensor) -> None:
     """Make ``dtensor`` hold ``local`` in place: the parameter object must stay the same
     while its storage changes, and DTensor has no public setter."""

@@ -66,9 +66,9 @@ class ParamRef:
 
 
 def _local_tensor(dtensor: DTensor) -> torch.Tensor:
-    """The local tensor of a DTensor itself (not an autograd view of it)."""
-    with torch.no_grad():
-        return dtensor.to_local()
+    """The local tensor of a DTensor itself (not an autograd view of it, nor a functorch
+    wrapper of it: see ``torch_internals.dtensor_local``)."""
+    return torch_internals.dtensor_local(dtensor)
 
 
 _uids = itertools.count()

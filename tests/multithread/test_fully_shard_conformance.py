@@ -1,5 +1,6 @@
 """``fully_shard`` matches torch's on the threaded process group: grouped-call collective
-counts and gradients, and parameters replaced between ``fully_shard`` and the first forward.
+counts and gradients, parameters replaced between ``fully_shard`` and the first forward, and
+a first forward run inside ``torch.func.jvp``.
 
 Each check runs torch's own ``fully_shard`` on a copy of the same model, counted the same way
 (:class:`~reffsdp.testing.comm_counter.CommCounter` sees both: the threaded group reports
@@ -15,10 +16,11 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from reffsdp import fully_shard
+from reffsdp import MixedPrecisionPolicy, fully_shard
 from reffsdp.core.comms import Collective
 from reffsdp.testing.comm_counter import CommCounter
 from reffsdp.testing.models import ModelArgs, Transformer
@@ -247,3 +249,41 @@ class TestReplacedParamsLikeTorch(FSDPTestMultiThread):
         self.assertIs(model.output.weight, model.tok_embeddings.weight)
         for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(param.to_local(), ref_param.to_local(), msg=name)
+
+
+class TestFirstForwardUnderJvpLikeTorch(FSDPTestMultiThread):
+    """Lazy init may run inside a functorch transform: nothing ran a forward before
+    ``torch.func.jvp`` called the model, so the parameters are first gathered there."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_jvp_without_a_warm_up_forward_matches_torch(self):
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        torch.manual_seed(0)
+        weights = (torch.randn(DIM, 4), torch.randn(5, DIM))  # the same on every rank
+        results = []
+        for shard, policy in (
+            (fully_shard, MixedPrecisionPolicy),
+            (torch_fully_shard, TorchMixedPrecisionPolicy),
+        ):
+            with torch.device("meta"):
+                encoder = nn.Linear(4, DIM, bias=False)
+                decoder = nn.Linear(DIM, 5, bias=False)
+            for module, weight in ((encoder, weights[0]), (decoder, weights[1])):
+                shard(module, mesh=mesh, reshard_after_forward=False,
+                      mp_policy=policy(param_dtype=torch.bfloat16))
+                module.to_empty(device="cpu")
+                with torch.no_grad():
+                    module.weight.copy_(distribute_tensor(weight, mesh, [Shard(0)]))
+            hidden = encoder(torch.ones(4))
+            primal, tangent = torch.ones(3, requires_grad=True), torch.ones(3)
+            # The function ignores its input: the tangent of the output is zero.
+            out, out_tangent = torch.func.jvp(lambda _: decoder(hidden), (primal,), (tangent,))
+            self.assertEqual(out.dtype, torch.bfloat16)
+            results.append((out, out_tangent))
+        (out, out_tangent), (ref_out, ref_tangent) = results
+        torch.testing.assert_close(out, ref_out)
+        torch.testing.assert_close(out_tangent, torch.zeros_like(out))
+        torch.testing.assert_close(out_tangent, ref_tangent)
