@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -97,3 +99,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Under torchrun, torch 2.13's gloo workers abort in the interpreter's teardown in about
+    # one run of seven ("terminate called without an active exception", exit -6), whichever
+    # FSDP trained, torch's included; the results are written by then, so leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
