@@ -34,20 +34,26 @@ import platform
 import shutil
 import sys
 import time
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any, TextIO
 
+import pytest
 import rich.progress
 import torch
 from rich.console import Console
 
-from . import report
+from . import parity_plugin, report
 from .launched_world import LaunchedEnv, LaunchError, read_launched_env
 
 # What this command line uses of the engine, reffsdp.testing.parity_suite.
-ENGINE_NAMES = ("SuiteOptions", "list_scenarios", "run_suite", "run_self_test")
+ENGINE_NAMES = (
+    "SuiteOptions",
+    "list_scenarios",
+    "iter_suite",
+    "list_self_test",
+    "iter_self_test",
+)
 APIS = ("fully_shard", "wrapper", "naive")  # naive: reffsdp.naive, a suite scenario only
 MESHES = ("1d", "hsdp", "2d", "3d")
 DEFAULT_WORLD_SIZE = 4
@@ -317,10 +323,11 @@ class Progress:
     def __exit__(self, *exc_info: Any) -> None:
         self.bar.stop()
 
-    def add(self, text: str) -> None:
-        """Print ``text`` (one finished item) above the bar."""
+    def add(self, text: str, total: int | None = None) -> None:
+        """Print ``text`` (one finished item) above the bar; ``total``: how many items the
+        run has, when that is known better now."""
         self.console.print(text, soft_wrap=True)
-        self.bar.advance(self.task)
+        self.bar.update(self.task, advance=1, total=total)
 
 
 def _is_terminal(stream: TextIO) -> bool:
@@ -390,82 +397,141 @@ def _write(path: str, data: bytes) -> None:
         file.write(data)
 
 
-class Outcome:
-    """What a run left: the results that finished, a crash's traceback, an interruption."""
-
-    def __init__(self) -> None:
-        self.results: list[Any] = []
-        self.error: str | None = None
-        self.interrupted = False
-
-
-def _run_collecting(
-    run: Callable[..., Any], options: Any, progress: Progress, line: Callable[[int, Any], str]
-) -> Outcome:
-    """Run the engine, printing each result as it arrives.
-
-    Results are collected from ``on_result``, so that a crash or a Ctrl-C part-way still
-    leaves the finished scenarios for the table and the report files.
-    """
-    outcome = Outcome()
-
-    def on_result(result: Any) -> None:
-        outcome.results.append(result)
-        progress.add(line(len(outcome.results), result))
-
-    try:
-        with progress:
-            returned = run(options, on_result=on_result)
-            seen = {id(result) for result in outcome.results}
-            for result in returned or ():  # any the engine did not report as it went
-                if id(result) not in seen:
-                    on_result(result)
-    except KeyboardInterrupt:
-        outcome.interrupted = True
-    except Exception:  # noqa: BLE001 - reported with the partial results, then exit 1
-        outcome.error = traceback.format_exc()
-    return outcome
-
-
-def _finish(
-    args: argparse.Namespace,
-    started: datetime.datetime,
-    start: float,
-    outcome: Outcome,
-    *,
-    self_test: bool,
-) -> None:
-    """Write the requested report files."""
-    info = run_info(args, started, time.perf_counter() - start)
-    results, error = outcome.results, outcome.error
-    if args.json:
-        to_json = report.self_test_json if self_test else report.suite_json
-        document = to_json(info, results, error, interrupted=outcome.interrupted)
-        _write(args.json, (json.dumps(document, indent=2) + "\n").encode())
-    if args.junit_xml:
-        to_junit = report.self_test_junit if self_test else report.suite_junit
-        _write(args.junit_xml, report.junit_bytes(to_junit(info, results, error)))
-
-
 def _count(number: int, noun: str) -> str:
     """``1 scenario``, ``2 scenarios``."""
     return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
-def run_suite(engine_module: ModuleType, args: argparse.Namespace, options: Any, total: int) -> int:
+# --- pytest runs the tests ----------------------------------------------------------------
+
+# Why pytest.main needs these arguments: the run is this module's and nothing else's.
+_PYTEST_ISOLATION = (
+    *("-c", os.devnull),  # no pytest.ini / pyproject / tox.ini of the folder it runs in
+    "--noconftest",  # nor their conftest.py files
+    *("-p", "no:cacheprovider"),  # no .pytest_cache left behind
+    *("-p", "no:terminal"),  # this command prints its own lines and table
+    "--capture=sys",  # a test's output goes to JUnit; the progress bar to the terminal
+    *("-W", "ignore::pytest.PytestExperimentalApiWarning"),  # record_xml_attribute
+    *("-o", "junit_family=xunit1"),  # whose testcases take the attributes the tests set
+    *("-o", "junit_logging=system-out"),  # a scenario's numbers, which its test prints
+)
+
+
+def pytest_argv(test: str, args: argparse.Namespace) -> list[str]:
+    """``pytest.main``'s arguments to run ``test`` of :mod:`reffsdp.testing.parity_tests`,
+    then the user's own after ``--``."""
+    module = parity_plugin.MODULE_PATH
+    suite = "reffsdp-parity-self-test" if test == parity_plugin.SELF_TEST else "reffsdp-parity"
+    argv = [f"{module}::{test}", "--rootdir", str(module.parent), *_PYTEST_ISOLATION]
+    argv += ["-o", f"junit_suite_name={suite}"]
+    if args.junit_xml:
+        argv += ["--junit-xml", args.junit_xml]
+    if args.list:
+        argv.append("--collect-only")
+    return [*argv, *args.pytest_args]
+
+
+@contextlib.contextmanager
+def _without_pytest_environment() -> Iterator[None]:
+    """No ``PYTEST_ADDOPTS`` and no plugins pytest would load from the environment (a
+    user's pytest-xdist or pytest-cov) for the length of the run."""
+    saved = {name: os.environ.get(name) for name in _PYTEST_VARIABLES}
+    os.environ.pop("PYTEST_ADDOPTS", None)
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+_PYTEST_VARIABLES = ("PYTEST_ADDOPTS", "PYTEST_DISABLE_PLUGIN_AUTOLOAD")
+
+
+def run_pytest(plugin: parity_plugin.ParityPlugin, args: argparse.Namespace) -> int:
+    """Run the cases of ``plugin``'s test; pytest's exit code."""
+    with _without_pytest_environment():
+        return int(pytest.main(pytest_argv(plugin.test, args), plugins=[plugin]))
+
+
+def list_tests(engine_module: ModuleType, args: argparse.Namespace, options: Any) -> int:
+    """``--list``: the names pytest collects (after the user's pytest arguments too)."""
+    plugin = parity_plugin.ParityPlugin(parity_plugin.SCENARIO_TEST, engine_module, options)
+    code = run_pytest(plugin, args)
+    if code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        return _pytest_trouble(code, plugin)
+    for name in plugin.selected:
+        print(name)
+    sys.stdout.flush()
+    print(_count(len(plugin.selected), "scenario"), file=sys.stderr)
+    return 0
+
+
+def _pytest_trouble(code: int, plugin: parity_plugin.ParityPlugin) -> int:
+    """The exit status when pytest itself refused or failed (it printed why on stderr)."""
+    if code == pytest.ExitCode.USAGE_ERROR:
+        return 2
+    if plugin.error is not None:
+        print(f"\nthe parity suite stopped with an error:\n{plugin.error}", file=sys.stderr)
+    return 1
+
+
+def run_tests(
+    engine_module: ModuleType, args: argparse.Namespace, options: Any, *, self_test: bool
+) -> int:
+    """Run the scenarios (or ``--self-test``'s planted bugs) under pytest, print the lines,
+    the table and the summary, write the JSON; the exit status."""
     started = datetime.datetime.now(datetime.timezone.utc)
     start = time.perf_counter()
-    print(
+    total = None if self_test else len(engine_module.list_scenarios(options))
+    print(_header(args, total), flush=True)
+    progress = Progress(sys.stdout, total)
+    info = run_info(args, started, 0.0)
+    test = parity_plugin.SELF_TEST if self_test else parity_plugin.SCENARIO_TEST
+    plugin = parity_plugin.ParityPlugin(
+        test,
+        engine_module,
+        options,
+        on_result=lambda index, result: progress.add(
+            _line(index, len(plugin.selected), result, self_test), total=len(plugin.selected)
+        ),
+        properties=report.junit_properties(info),
+    )
+    with progress:
+        code = run_pytest(plugin, args)
+    seconds = time.perf_counter() - start
+    if code in (pytest.ExitCode.USAGE_ERROR, pytest.ExitCode.INTERNAL_ERROR):
+        return _pytest_trouble(code, plugin)
+    if self_test:
+        _print_self_test(plugin, seconds)
+    else:
+        _print_suite(plugin, seconds)
+    _write_json(args, run_info(args, started, seconds), plugin, self_test=self_test)
+    return _exit_status(args, plugin, code, self_test=self_test)
+
+
+def _header(args: argparse.Namespace, total: int | None) -> str:
+    """The first line: what runs (``total`` scenarios; ``None``: the self-test)."""
+    if total is None:
+        return "reffsdp parity suite self-test: planting known bugs, one at a time"
+    return (
         f"reffsdp parity suite: {_count(total, 'scenario')}, {args.backend} backend on "
         f"{args.device}, world size {args.world_size}, {_count(args.steps, 'step')}, "
-        f"seed {args.seed}{_launched_by(args)}",
-        flush=True,
+        f"seed {args.seed}{_launched_by(args)}"
     )
-    progress = Progress(sys.stdout, total)
-    line = lambda index, result: report.progress_line(index, total, result)
-    outcome = _run_collecting(engine_module.run_suite, options, progress, line)
-    results = outcome.results
-    seconds = time.perf_counter() - start
+
+
+def _line(index: int, total: int, result: Any, self_test: bool) -> str:
+    if self_test:
+        return report.self_test_line(index, result)
+    return report.progress_line(index, total, result)
+
+
+def _print_suite(plugin: parity_plugin.ParityPlugin, seconds: float) -> None:
+    results = plugin.results
     if results:
         print()
         print(report.format_table(results, _table_width(sys.stdout)))
@@ -473,16 +539,55 @@ def run_suite(engine_module: ModuleType, args: argparse.Namespace, options: Any,
         if section:
             print()
             print(section)
-    if outcome.error is not None:
-        print(f"\nthe parity suite stopped with an error:\n{outcome.error}", file=sys.stderr)
+    if plugin.error is not None:
+        print(f"\nthe parity suite stopped with an error:\n{plugin.error}", file=sys.stderr)
     print()
     print(report.summary_line(results, seconds), flush=True)
-    _finish(args, started, start, outcome, self_test=False)
-    counts = report.summarize(results)
-    if outcome.interrupted:
-        print(f"interrupted after {_count(len(results), 'scenario')} of {total}", file=sys.stderr)
+
+
+def _print_self_test(plugin: parity_plugin.ParityPlugin, seconds: float) -> None:
+    if plugin.error is not None:
+        print(f"\nthe self-test stopped with an error:\n{plugin.error}", file=sys.stderr)
+    print()
+    print(report.self_test_summary(plugin.results, seconds), flush=True)
+
+
+def _write_json(
+    args: argparse.Namespace,
+    info: report.RunInfo,
+    plugin: parity_plugin.ParityPlugin,
+    *,
+    self_test: bool,
+) -> None:
+    if args.json:
+        to_json = report.self_test_json if self_test else report.suite_json
+        document = to_json(info, plugin.results, plugin.error, interrupted=plugin.interrupted)
+        _write(args.json, (json.dumps(document, indent=2) + "\n").encode())
+
+
+def _exit_status(
+    args: argparse.Namespace, plugin: parity_plugin.ParityPlugin, code: int, *, self_test: bool
+) -> int:
+    results = plugin.results
+    noun = "planted bug" if self_test else "scenario"
+    if plugin.interrupted:
+        of = "" if self_test else f" of {len(plugin.selected)}"
+        print(f"interrupted after {_count(len(results), noun)}{of}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    if counts["failed"] or outcome.error is not None:
+    if not plugin.selected:
+        what = "no planted bug ran" if self_test else "no scenario ran"
+        given = " ".join(args.pytest_args)
+        print(
+            f"{what}: the filters left none{f' (pytest: {given})' if given else ''}",
+            file=sys.stderr,
+        )
+        return 1 if self_test else 2  # a selection that leaves nothing is a usage error
+    if plugin.error is not None:
+        return 1
+    if self_test:
+        return 0 if results and all(result.caught for result in results) else 1
+    counts = report.summarize(results)
+    if counts["failed"]:
         return 1
     if counts["skipped"] == counts["total"] and not args.allow_skips:
         print(
@@ -500,27 +605,6 @@ def _launched_by(args: argparse.Namespace) -> str:
         return ""
     nodes = _count(launched.nodes, "node")
     return f", launched by {launched.launcher}: {nodes} x {launched.local_world_size} ranks"
-
-
-def run_self_test(engine_module: ModuleType, args: argparse.Namespace, options: Any) -> int:
-    started = datetime.datetime.now(datetime.timezone.utc)
-    start = time.perf_counter()
-    print("reffsdp parity suite self-test: planting known bugs, one at a time", flush=True)
-    progress = Progress(sys.stdout, None)
-    outcome = _run_collecting(engine_module.run_self_test, options, progress, report.self_test_line)
-    results = outcome.results
-    if outcome.error is not None:
-        print(f"\nthe self-test stopped with an error:\n{outcome.error}", file=sys.stderr)
-    print()
-    print(report.self_test_summary(results, time.perf_counter() - start), flush=True)
-    _finish(args, started, start, outcome, self_test=True)
-    if outcome.interrupted:
-        print(f"interrupted after {_count(len(results), 'planted bug')}", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    if not results and outcome.error is None:
-        print("no planted bug ran: the filters left none", file=sys.stderr)
-    all_caught = bool(results) and all(result.caught for result in results)
-    return 0 if all_caught and outcome.error is None else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -541,13 +625,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    own, pytest_args = _split_at_dashes(sys.argv[1:] if argv is None else list(argv))
+    args = parser.parse_args(own)
+    args.pytest_args = pytest_args
     check_args(parser, args)
     if _reports(args):
         return _run(parser, args)
     args.json = args.junit_xml = None  # rank 0 of the launched world prints and writes
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
         return _run(parser, args)
+
+
+def _split_at_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
+    """This command's arguments, and pytest's (those after ``--``)."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -560,9 +654,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 1
     options = suite_options(engine_module, args)
     if args.self_test:
-        return run_self_test(engine_module, args, options)
-    scenarios = engine_module.list_scenarios(options)
-    if not scenarios:
+        return run_tests(engine_module, args, options, self_test=True)
+    if not engine_module.list_scenarios(options):
         where = f"the {args.backend} backend at world size {args.world_size}"
         if any(getattr(args, flag) for flag in ("api", "mesh", "only", "exclude")):
             parser.error(
@@ -571,12 +664,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             )
         parser.error(f"the parity suite has no scenario for {where}")
     if args.list:
-        for scenario in scenarios:
-            print(scenario.name)
-        sys.stdout.flush()
-        print(_count(len(scenarios), "scenario"), file=sys.stderr)
-        return 0
-    return run_suite(engine_module, args, options, len(scenarios))
+        return list_tests(engine_module, args, options)
+    return run_tests(engine_module, args, options, self_test=False)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,13 @@ import torch
 import torch.distributed as dist
 
 from .preflight import check_block_types
-from .self_test import SelfTestResult, bug_context, run_self_test
+from .self_test import (
+    SelfTestResult,
+    bug_context,
+    iter_self_test,
+    list_self_test,
+    run_self_test,
+)
 from .suite_backends import ScenarioInfo, SuiteOptions, run_threaded_one, scenario_info
 from .suite_backends import iter_results as _iter_results
 from .suite_rank import ScenarioResult, run_scenario
@@ -71,18 +77,24 @@ def iter_results(
     return _iter_results(specs, options, bug)
 
 
+def iter_suite(options: SuiteOptions) -> Iterator[ScenarioResult]:
+    """Run every scenario :func:`list_scenarios` lists, on ``options.backend``, yielding each
+    result as it finishes (process backends report the scenarios they skip first)."""
+    return _iter_results(_selected(options), options)
+
+
 def run_suite(
     options: SuiteOptions,
     on_result: Callable[[ScenarioResult], None] | None = None,
 ) -> list[ScenarioResult]:
-    """Run every scenario :func:`list_scenarios` lists, on ``options.backend``.
+    """Every result of :func:`iter_suite`, in the order they finished.
 
     ``on_result`` is called in this process as each scenario finishes. A scenario whose
     collective counts differ from the expected counts, or whose bytes differ from the
     analytic minimum, is "failed" even when every number matches DDP.
     """
     results = []
-    for result in _iter_results(_selected(options), options):
+    for result in iter_suite(options):
         results.append(result)
         if on_result is not None:
             on_result(result)
@@ -265,7 +277,10 @@ __all__ = [
     "SelfTestResult",
     "SuiteOptions",
     "iter_results",
+    "iter_self_test",
+    "iter_suite",
     "list_scenarios",
+    "list_self_test",
     "parity_scenarios",
     "run_scenario",
     "run_self_test",

@@ -1,16 +1,16 @@
 """What the parity suite's command line prints and writes, as pure functions of its results.
 
 Everything here takes the engine's results (:class:`~reffsdp.testing.parity_suite.ScenarioResult`
-and ``SelfTestResult``, read by attribute) plus a :class:`RunInfo`, and returns text, a
-JSON-ready dict or an XML tree; ``python -m reffsdp.testing`` (``testing/__main__.py``) does
+and ``SelfTestResult``, read by attribute) plus a :class:`RunInfo`, and returns text or a
+JSON-ready dict; ``python -m reffsdp.testing`` (``testing/__main__.py``) does
 the printing and the file writing. Three outputs:
 
 * the terminal: a progress line per scenario as it finishes, then a table (drawn by
   ``rich``, as wide as the terminal allows), a summary line and the failures with their
   whole messages and tracebacks;
 * ``--json FILE``: run metadata, a summary and every result's ``to_dict()``;
-* ``--junit-xml FILE``: JUnit XML (one ``testcase`` per scenario, ``failure`` and
-  ``skipped`` elements), the format GitLab, GitHub actions and Jenkins read.
+* ``--junit-xml FILE``: pytest's JUnit XML (one ``testcase`` per scenario), with the run's
+  metadata (:func:`junit_properties`) and each scenario's numbers (:func:`metrics_line`).
 
 Per-step collective counts are shown next to what the scenario expects, ``measured/expected``,
 with a ``!`` where they differ::
@@ -28,7 +28,6 @@ import io
 import json
 import math
 import re
-import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from typing import Any
 
@@ -405,105 +404,20 @@ def self_test_json(
     return _json_safe(document)
 
 
-# --- --junit-xml --------------------------------------------------------------------------
-
-# Characters XML 1.0 cannot hold (control characters such as a traceback's colour codes).
-_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+# --- --junit-xml (pytest's own report; these fill it) -------------------------------------
 
 
-def _xml_text(text: str) -> str:
-    return _NOT_XML.sub("?", text)
+def junit_properties(info: RunInfo) -> list[tuple[str, str]]:
+    """The run's metadata as the JUnit test suite's properties (pytest's report has the
+    start time and the duration itself); ``filters`` is a JSON object."""
+    return [
+        (key, value if isinstance(value, str) else json.dumps(value))
+        for key, value in _run_fields(info).items()
+        if key not in ("started", "seconds")
+    ]
 
 
-def _testsuite(name: str, info: RunInfo, cases: list[ET.Element], error: str | None) -> ET.Element:
-    if error is not None:
-        crash = ET.Element("testcase", classname=name, name="engine", time="0.000")
-        ET.SubElement(
-            crash, "error", message=_xml_text(first_line(error, 200)), type="EngineError"
-        ).text = _xml_text(error)
-        cases = [*cases, crash]
-    suite = ET.Element(
-        "testsuite",
-        name=name,
-        tests=str(len(cases)),
-        failures=str(sum(case.find("failure") is not None for case in cases)),
-        errors=str(sum(case.find("error") is not None for case in cases)),
-        skipped=str(sum(case.find("skipped") is not None for case in cases)),
-        time=f"{info.seconds:.3f}",
-        timestamp=info.started,
-    )
-    properties = ET.SubElement(suite, "properties")
-    for key, value in _run_fields(info).items():
-        if key not in ("started", "seconds"):
-            text = value if isinstance(value, str) else json.dumps(value)
-            ET.SubElement(properties, "property", name=key, value=_xml_text(text))
-    suite.extend(cases)
-    root = ET.Element(
-        "testsuites",
-        name=name,
-        tests=suite.get("tests"),
-        failures=suite.get("failures"),
-        errors=suite.get("errors"),
-        skipped=suite.get("skipped"),
-        time=suite.get("time"),
-    )
-    root.append(suite)
-    return root
-
-
-def _metrics(result: Any) -> str:
-    """One line of a scenario's numbers, for its ``system-out``."""
+def metrics_line(result: Any) -> str:
+    """One line of a scenario's numbers, its test's output (JUnit's ``system-out``)."""
     cells = dict(zip(_HEADERS, table_row(result)))
     return "  ".join(f"{key} {cells[key]}" for key in _HEADERS[2:])
-
-
-def suite_junit(info: RunInfo, results: Sequence[Any], error: str | None = None) -> ET.Element:
-    """JUnit XML of a suite run: one ``testcase`` per scenario, classname ``parity.API.MESH``."""
-    cases = []
-    for result in results:
-        case = ET.Element(
-            "testcase",
-            classname=f"parity.{result.api}.{result.mesh}",
-            name=result.name,
-            time=f"{result.seconds:.3f}",
-        )
-        message = _xml_text(result.message or "")
-        if result.status == SKIPPED:
-            ET.SubElement(case, "skipped", message=first_line(message, 200)).text = message
-        elif is_failure(result.status):
-            failure = ET.SubElement(
-                case, "failure", message=first_line(message, 200), type="ParityFailure"
-            )
-            failure.text = _xml_text(failure_text(result))
-        ET.SubElement(case, "system-out").text = _xml_text(_metrics(result))
-        cases.append(case)
-    return _testsuite("reffsdp-parity", info, cases, error)
-
-
-def self_test_junit(info: RunInfo, results: Sequence[Any], error: str | None = None) -> ET.Element:
-    """JUnit XML of ``--self-test``: one ``testcase`` per planted bug, failed when missed."""
-    cases = []
-    for result in results:
-        case = ET.Element(
-            "testcase",
-            classname=f"self_test.{result.api}",
-            name=result.bug,
-            time=f"{result.seconds:.3f}",
-        )
-        if result.caught:
-            ET.SubElement(case, "system-out").text = _xml_text(f"caught by {result.caught_by}")
-        else:
-            ET.SubElement(
-                case,
-                "failure",
-                message="the planted bug was not caught",
-                type="MissedBug",
-            ).text = f"{result.api}: {result.bug}: no check of the parity suite failed"
-        cases.append(case)
-    return _testsuite("reffsdp-parity-self-test", info, cases, error)
-
-
-def junit_bytes(root: ET.Element) -> bytes:
-    """The document with an XML declaration, indented for people reading it."""
-    ET.indent(root)
-    return ET.tostring(root, encoding="utf-8", xml_declaration=True)

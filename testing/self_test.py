@@ -206,53 +206,68 @@ def self_test_spec(bug: PlantedBug, api: str) -> ScenarioSpec:
 # -- running --------------------------------------------------------------------------------
 
 
-def run_self_test(
-    options: Any,
-    on_result: Callable[[SelfTestResult], None] | None = None,
-) -> list[SelfTestResult]:
-    """Plant every bug against each API of ``options.api`` (all when empty) on
-    ``options.backend``; each must make its scenario fail.
+def list_self_test(options: Any) -> list[tuple[str, str]]:
+    """``(bug, api)`` of every planted bug :func:`iter_self_test` runs, in its order."""
+    return [(bug.name, api) for bug in BUGS for api in _self_test_apis(options)]
 
-    The unpatched scenarios run first: a bug counts as caught only when the same scenario
-    passes without it. ``on_result`` is called in this process as each bug finishes.
-    """
+
+def _self_test_apis(options: Any) -> tuple[str, ...]:
     unknown = sorted(set(options.api) - set(APIS))
     if unknown:
         raise ValueError(f"the self-test plants bugs in {list(APIS)} only, not in {unknown}")
-    apis = options.api or APIS
+    return options.api or APIS
+
+
+def iter_self_test(options: Any) -> Iterator[SelfTestResult]:
+    """Plant every bug against each API of ``options.api`` (all when empty) on
+    ``options.backend``; each must make its scenario fail. Yields each bug's outcome as it
+    finishes, in :func:`list_self_test`'s order.
+
+    The unpatched scenarios run first: a bug counts as caught only when the same scenario
+    passes without it.
+    """
+    apis = _self_test_apis(options)
     steps = max(2, options.steps)  # a stale shard shows from the second step on
     options = dataclasses.replace(options, steps=steps)
     baseline_specs = sorted(
         {self_test_spec(bug, api) for bug in BUGS for api in apis}, key=lambda s: s.name
     )
     baseline = {result.name: result for result in iter_results(baseline_specs, options)}
-    results = []
     for bug in BUGS:
         specs = [self_test_spec(bug, api) for api in apis]
         start = time.perf_counter()
         for spec, result in zip(specs, iter_results(specs, options, bug.plant)):
-            clean = baseline[spec.name]
-            if clean.status != "passed":
-                caught, caught_by = (
-                    False,
-                    (
-                        f"inconclusive: the unpatched scenario {spec.name} is {clean.status}: "
-                        f"{clean.message}"
-                    ),
-                )
-            elif result.status == "failed":
-                caught, caught_by = True, result.message
-            else:
-                caught, caught_by = False, f"scenario {spec.name} {result.status} with the bug"
-            outcome = SelfTestResult(
+            caught, caught_by = _verdict(spec, baseline[spec.name], result)
+            yield SelfTestResult(
                 bug=bug.name,
                 api=spec.api,
                 caught=caught,
                 caught_by=caught_by,
                 seconds=result.seconds or (time.perf_counter() - start),
             )
-            results.append(outcome)
-            if on_result is not None:
-                on_result(outcome)
             start = time.perf_counter()
+
+
+def _verdict(spec: ScenarioSpec, clean: Any, planted: Any) -> tuple[bool, str]:
+    """Whether the bug was caught, and by what (or why not)."""
+    if clean.status != "passed":
+        return False, (
+            f"inconclusive: the unpatched scenario {spec.name} is {clean.status}: {clean.message}"
+        )
+    if planted.status == "failed":
+        return True, planted.message
+    return False, f"scenario {spec.name} {planted.status} with the bug"
+
+
+def run_self_test(
+    options: Any,
+    on_result: Callable[[SelfTestResult], None] | None = None,
+) -> list[SelfTestResult]:
+    """Every outcome of :func:`iter_self_test`; ``on_result`` is called in this process as
+    each bug finishes."""
+    results = []
+    for outcome in iter_self_test(options):
+        results.append(outcome)
+        if on_result is not None:
+            on_result(outcome)
     return results

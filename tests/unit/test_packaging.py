@@ -1,8 +1,10 @@
 """The top-level ``testing/`` folder ships as ``reffsdp.testing`` in a normal (wheel) install."""
 
+import os
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
 
@@ -22,7 +24,7 @@ def _modules(package_root: Path) -> list[Path]:
     ]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(400)
 def test_wheel_contains_the_testing_subpackage(tmp_path):
     # Build from a copy: setuptools reuses a ``build/`` folder, whose stale files could hide
     # a module missing from pyproject's package list.
@@ -69,6 +71,40 @@ def test_wheel_contains_the_testing_subpackage(tmp_path):
     oldest, newest = compat.OLDEST_SUPPORTED, compat.NEWEST_TESTED
     expected = {f">={oldest[0]}.{oldest[1]}", f"<{newest[0]}.{newest[1] + 1}"}
     assert set(declared.removeprefix("Requires-Dist: torch").split(",")) == expected, declared
+    _run_one_scenario_installed(wheel, tmp_path)
+
+
+def _run_one_scenario_installed(wheel: Path, tmp_path: Path) -> None:
+    """Installed from the wheel (``site-packages/reffsdp/testing/``, not the checkout's
+    ``testing/``), the parity suite's pytest session finds its tests and writes its JUnit."""
+    target = tmp_path / "installed"
+    pip = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target)]
+    subprocess.run([*pip, str(wheel)], check=True)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    where = subprocess.run(
+        [sys.executable, "-c", "import reffsdp.testing.parity_tests as m; print(m.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        check=True,
+    ).stdout.strip()
+    if not where.startswith(str(target)):  # an editable install's finder comes first
+        pytest.skip(f"the checkout's package is imported ahead of the wheel's: {where}")
+    report = tmp_path / "parity.xml"
+    done = subprocess.run(
+        [sys.executable, "-m", "reffsdp.testing", "--only", "naive/1d/fp32/mlp", "--steps", "1"]
+        + ["--junit-xml", str(report)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[1/1] PASS naive/1d/fp32/mlp" in done.stdout
+    case = ET.parse(report).getroot().find("testsuite/testcase")
+    assert (case.get("classname"), case.get("name")) == ("parity.naive.1d", "naive/1d/fp32/mlp")
 
 
 def test_installed_package_imports_testing():
@@ -80,7 +116,6 @@ def test_installed_package_imports_testing():
 
 # How each package of the ``test`` extra is used, and where that shows.
 _TEST_EXTRA_USES = {
-    "pytest": ("tests", "import pytest"),
     "pytest-timeout": ("tests", "pytest.mark.timeout("),
     "coverage": ("tox.ini", "python -m coverage run"),
     "setuptools": ("tests/unit/test_packaging.py", '"--no-build-isolation"'),  # builds with it

@@ -12,10 +12,11 @@ import fnmatch
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,8 @@ def result(name: str, status: str = "passed", message: str = "", **fields) -> Sc
 
 
 class StandInEngine:
-    """list_scenarios / run_suite / run_self_test over results a test sets."""
+    """list_scenarios / iter_suite / list_self_test / iter_self_test over results a test
+    sets."""
 
     def __init__(self) -> None:
         self.results = [
@@ -74,7 +76,7 @@ class StandInEngine:
         ]
         self.options: list[SuiteOptions] = []
         self.crash_after: int | None = None
-        self.calls_on_result = True
+        self.skipped_first = False  # as rank processes report them
 
     def list_scenarios(self, options: SuiteOptions) -> list[ScenarioInfo]:
         self.options.append(options)
@@ -93,29 +95,30 @@ class StandInEngine:
             and not any(fnmatch.fnmatch(name, g) for g in options.exclude)
         )
 
-    def run_suite(self, options: SuiteOptions, on_result: Callable | None = None) -> list:
+    def iter_suite(self, options: SuiteOptions) -> Iterator[ScenarioResult]:
         self.options.append(options)
         chosen = [r for r in self.results if self._selected(r.name, r.api, r.mesh, options)]
+        if self.skipped_first:
+            chosen.sort(key=lambda r: r.status != "skipped")
         for index, res in enumerate(chosen):
             if index == self.crash_after:
                 raise RuntimeError("rank 2 lost its process group")
-            if on_result is not None and self.calls_on_result:
-                on_result(res)
-        return chosen
+            yield res
 
-    def run_self_test(self, options: SuiteOptions, on_result: Callable | None = None) -> list:
+    def list_self_test(self, options: SuiteOptions) -> list[tuple[str, str]]:
         self.options.append(options)
-        for bug in self.bugs:
-            if on_result is not None:
-                on_result(bug)
-        return list(self.bugs)
+        return [(bug.bug, bug.api) for bug in self.bugs]
+
+    def iter_self_test(self, options: SuiteOptions) -> Iterator[SelfTestResult]:
+        self.options.append(options)
+        yield from self.bugs
 
 
 @pytest.fixture
 def engine(monkeypatch):
     """The stand-in, installed where the command line looks for the engine."""
     stand_in = StandInEngine()
-    for name in ("list_scenarios", "run_suite", "run_self_test"):
+    for name in ("list_scenarios", "iter_suite", "list_self_test", "iter_self_test"):
         monkeypatch.setattr(parity_suite, name, getattr(stand_in, name), raising=False)
     return stand_in
 
@@ -284,6 +287,47 @@ def test_ctrl_c_ends_a_threaded_run_keeping_what_finished(tmp_path, how):
     assert document["scenarios"][0]["status"] == "passed"
 
 
+def test_pytest_arguments_after_dashes_select_by_mark_and_keyword(engine, capsys):
+    """Each scenario is a pytest test marked with its API and mesh; ``--`` hands the rest of
+    the line to pytest."""
+    assert cli.main(["--list", "--", "-m", "fully_shard and not 1d"]) == 0
+    assert capsys.readouterr().out.split() == ["fully_shard/hsdp/bf16/mlp"]
+    assert cli.main(["--list", "--", "-m", "wrapper or hsdp", "-k", "not bf16"]) == 0
+    assert capsys.readouterr().out.split() == ["wrapper/3d/fp32/mlp"]
+    assert cli.main(["--", "-m", "3d", "-x"]) == 1  # one skipped: nothing checked
+    out = capsys.readouterr().out
+    assert "[1/1] SKIP wrapper/3d/fp32/mlp" in out and "0 passed, 0 failed, 1 skipped" in out
+
+
+def test_pytest_arguments_that_leave_nothing_or_that_pytest_refuses(engine, capsys):
+    assert cli.main(["--", "-k", "no-such-scenario"]) == 2
+    assert "no scenario ran: the filters left none (pytest: -k no-such-scenario)" in (
+        capsys.readouterr().err
+    )
+    assert cli.main(["--", "--no-such-pytest-flag"]) == 2
+    assert "--no-such-pytest-flag" in capsys.readouterr().err
+
+
+def test_the_folder_it_runs_in_does_not_configure_its_pytest(engine, capsys, tmp_path, monkeypatch):
+    """A project's pytest.ini, conftest.py and PYTEST_ADDOPTS are that project's own: the
+    suite's pytest session reads none of them."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --no-such-flag-from-ini\n")
+    (tmp_path / "conftest.py").write_text("raise RuntimeError('a conftest was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTEST_ADDOPTS", "--no-such-flag-from-env")
+    assert cli.main([]) == 0
+    assert "2 passed, 0 failed, 1 skipped" in capsys.readouterr().out
+    assert os.environ["PYTEST_ADDOPTS"] == "--no-such-flag-from-env"  # given back
+    assert not (tmp_path / ".pytest_cache").exists()
+
+
+def test_pytest_imports_no_second_copy_of_the_package(engine, capsys):
+    """From a checkout, the package's folder is ``testing/``: collected by its path, its test
+    module would be imported again as ``testing.parity_tests``."""
+    assert cli.main(["--only", "*/1d/*"]) == 0
+    assert "testing" not in sys.modules and "testing.parity_tests" not in sys.modules
+
+
 def test_console_script_points_at_main():
     tomllib = pytest.importorskip("tomllib")
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
@@ -413,13 +457,15 @@ def test_the_table_shows_a_count_mismatch(engine, capsys):
     assert "differs" in out  # the legend says what "!" means
 
 
-def test_results_the_engine_only_returns_are_reported_too(engine, capsys):
-    engine.calls_on_result = False
-    engine.results[2] = result("wrapper/3d/fp32/mlp", "failed", "params differ")
+def test_results_that_arrive_in_another_order_reach_their_tests(engine, capsys):
+    """Rank processes report the scenarios they skip first: each test finds its own."""
+    engine.skipped_first = True
+    engine.results[1] = result("fully_shard/hsdp/bf16/mlp", "failed", "params differ")
     assert cli.main([]) == 1
     out = capsys.readouterr().out
-    assert "[1/3] PASS fully_shard/1d/fp32/mlp" in out and "[3/3] FAIL wrapper/3d" in out
-    assert "2 passed, 1 failed, 0 skipped" in out
+    assert "[1/3] PASS fully_shard/1d/fp32/mlp" in out and "[3/3] SKIP wrapper/3d" in out
+    assert "[2/3] FAIL fully_shard/hsdp/bf16/mlp" in out
+    assert "1 passed, 1 failed, 1 skipped" in out
 
 
 def test_an_engine_crash_keeps_the_finished_results(engine, capsys, tmp_path):
@@ -507,9 +553,9 @@ def test_junit_xml_has_one_testcase_per_scenario(engine, tmp_path, capsys):
         ("parity.wrapper.3d", "wrapper/3d/fp32/mlp"),
     ]
     assert cases[0].find("failure") is None and cases[0].find("skipped") is None
-    assert float(cases[0].get("time")) == 1.25
+    assert "AG 4/4  RS 4/4  AR 0/0" in cases[0].find("system-out").text  # its numbers
     failure = cases[1].find("failure")
-    assert failure.get("message") == "?[31mlosses differ?[0m at step 1"
+    assert failure.get("message").startswith("Failed: #x1B[31mlosses differ#x1B[0m at step 1")
     assert failure.text.endswith("at step 1\ndetail")
     assert cases[2].find("skipped").get("message") == "needs 8 ranks, the gloo world has 4"
 
