@@ -323,11 +323,15 @@ class Progress:
     def __exit__(self, *exc_info: Any) -> None:
         self.bar.stop()
 
-    def add(self, text: str, total: int | None = None) -> None:
-        """Print ``text`` (one finished item) above the bar; ``total``: how many items the
-        run has, when that is known better now."""
+    def begin(self, text: str, total: int | None) -> None:
+        """Print ``text`` (what the run holds, once known) and set the bar's ``total``."""
         self.console.print(text, soft_wrap=True)
-        self.bar.update(self.task, advance=1, total=total)
+        self.bar.update(self.task, total=total)
+
+    def add(self, text: str) -> None:
+        """Print ``text`` (one finished item) above the bar."""
+        self.console.print(text, soft_wrap=True)
+        self.bar.advance(self.task)
 
 
 def _is_terminal(stream: TextIO) -> bool:
@@ -486,19 +490,19 @@ def run_tests(
     the table and the summary, write the JSON; the exit status."""
     started = datetime.datetime.now(datetime.timezone.utc)
     start = time.perf_counter()
-    total = None if self_test else len(engine_module.list_scenarios(options))
-    print(_header(args, total), flush=True)
-    progress = Progress(sys.stdout, total)
-    info = run_info(args, started, 0.0)
+    progress = Progress(sys.stdout, None if self_test else 0)
     test = parity_plugin.SELF_TEST if self_test else parity_plugin.SCENARIO_TEST
     plugin = parity_plugin.ParityPlugin(
         test,
         engine_module,
         options,
-        on_result=lambda index, result: progress.add(
-            _line(index, len(plugin.selected), result, self_test), total=len(plugin.selected)
+        on_collected=lambda count: progress.begin(
+            _header(args, None if self_test else count), None if self_test else count
         ),
-        properties=report.junit_properties(info),
+        on_result=lambda index, result: progress.add(
+            _line(index, len(plugin.selected), result, self_test)
+        ),
+        properties=report.junit_properties(run_info(args, started, 0.0)),
     )
     with progress:
         code = run_pytest(plugin, args)

@@ -27,6 +27,7 @@ folder, whose package setup would import ``testing/__init__.py`` a second time.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import traceback
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
@@ -88,8 +89,9 @@ class ParityPlugin:
     ``test`` is the test the run is for, :data:`SCENARIO_TEST` or :data:`SELF_TEST`;
     ``engine`` is :mod:`reffsdp.testing.parity_suite` (or a stand-in with its
     ``list_scenarios``, ``iter_suite``, ``list_self_test`` and ``iter_self_test``);
-    ``on_result(index, result)`` is called as each result arrives; ``properties`` are
-    written as the JUnit test suite's properties.
+    ``on_collected(count)`` is called once pytest has selected the tests, ``on_result(index,
+    result)`` as each result arrives; ``properties`` are written as the JUnit test suite's
+    properties.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class ParityPlugin:
         engine: ModuleType,
         options: Any,
         *,
+        on_collected: Callable[[int], None] | None = None,
         on_result: Callable[[int, Any], None] | None = None,
         properties: Sequence[tuple[str, str]] = (),
     ) -> None:
@@ -106,6 +109,7 @@ class ParityPlugin:
         self.test = test
         self.engine = engine
         self.options = options
+        self.on_collected = on_collected
         self.on_result = on_result
         self.properties = tuple(properties)
         self.results: list[Any] = []
@@ -159,6 +163,8 @@ class ParityPlugin:
             if callspec is not None:
                 param = callspec.params.get("scenario") or callspec.params.get("planted_bug")
                 self.selected.append(param.name)
+        if self.on_collected is not None:
+            self.on_collected(len(self.selected))
 
     # -- results -------------------------------------------------------------------------
 
@@ -174,7 +180,10 @@ class ParityPlugin:
     def result_of_scenario(self, name: str, session: pytest.Session) -> Any:
         """The result of the scenario called ``name``, run (or read) now."""
         if self._stream is None:
-            self._stream = ResultStream(self.engine.iter_suite(self.options), _name_of)
+            # The scenarios pytest kept (after -m, -k) and no others: names as exact globs.
+            kept = tuple(glob.escape(selected) for selected in self.selected)
+            options = dataclasses.replace(self.options, only=kept)
+            self._stream = ResultStream(self.engine.iter_suite(options), _name_of)
         return self._take(name, session)
 
     def result_of_planted_bug(self, case: PlantedBugCase, session: pytest.Session) -> Any:

@@ -295,7 +295,9 @@ def test_pytest_arguments_after_dashes_select_by_mark_and_keyword(engine, capsys
     assert cli.main(["--list", "--", "-m", "wrapper or hsdp", "-k", "not bf16"]) == 0
     assert capsys.readouterr().out.split() == ["wrapper/3d/fp32/mlp"]
     assert cli.main(["--", "-m", "3d", "-x"]) == 1  # one skipped: nothing checked
+    assert engine.options[-1].only == ("wrapper/3d/fp32/mlp",)  # the engine runs no other
     out = capsys.readouterr().out
+    assert out.startswith("reffsdp parity suite: 1 scenario, threaded backend")
     assert "[1/1] SKIP wrapper/3d/fp32/mlp" in out and "0 passed, 0 failed, 1 skipped" in out
 
 
