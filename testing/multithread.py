@@ -81,7 +81,7 @@ import torch.distributed as dist
 
 from reffsdp.testing.common import DistributedTestMixin
 from reffsdp.testing.logical_streams import rank_context
-from reffsdp.testing.thread_world import prepare_rank_thread, threaded_world
+from reffsdp.testing.thread_world import prepare_rank_thread, release_rank_thread, threaded_world
 from reffsdp.testing.threaded_pg import (
     BACKEND_NAME,
     CollectiveAborted,
@@ -186,6 +186,7 @@ class _ThreadedRun:
                     dist.destroy_process_group()  # unless the test destroyed it already
             except BaseException as exc:
                 self.record_failure(rank, exc)
+            release_rank_thread()
 
     def start_and_wait(self) -> tuple[dict[int, str], list[int]]:
         """Start the rank threads and wait for them: the stacks of those past the deadline

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reffsdp.core import compat
+from reffsdp.core import compat, torch_internals
 
 _c10d = dist.distributed_c10d
 
@@ -151,3 +151,22 @@ def prepare_rank_thread() -> None:
     so nothing is restored.
     """
     torch.autograd.set_multithreading_enabled(False)
+
+
+# [Note: a rank thread's DTensor cache]
+# DTensor's C++ dispatch fast path keeps a sharding cache per thread and frees it when the
+# thread ends, under one process-wide C++ mutex, freeing Python objects as it goes, which
+# lets go of the GIL. Two rank threads ending together can deadlock there: one holds the
+# mutex and waits for the GIL, the other holds the GIL (ending its thread) and waits for the
+# mutex. Seen once on torch 2.11 (test_fully_shard_training hung in a clean-clone CI run);
+# every supported release has the same code. So each rank thread frees its cache itself as
+# its last step, one thread at a time: a thread waiting for its turn waits on a Python lock,
+# which lets go of the GIL, and a thread that ends has no cache left to free.
+_FREEING_DTENSOR_CACHE = threading.Lock()
+
+
+def release_rank_thread() -> None:
+    """A rank thread's last step: free its DTensor cache, one thread at a time (see
+    [Note: a rank thread's DTensor cache])."""
+    with _FREEING_DTENSOR_CACHE:
+        torch_internals.free_dtensor_thread_cache()

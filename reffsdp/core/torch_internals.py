@@ -16,6 +16,7 @@ Not here, because a function cannot hold them: overrides of private methods in s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -144,6 +145,33 @@ def locked_tensor_meta_propagation(lock: threading.Lock) -> Iterator[None]:
         yield
     finally:
         setattr(ShardingPropagator, name, unlocked)
+
+
+# The key under which DTensor's C++ dispatch fast path keeps, in each thread's Python state,
+# the object that frees that thread's sharding cache when the thread ends.
+_DTENSOR_THREAD_CACHE_KEY = "__DTensor_fastpath_thread_cache_cleanup"
+# CPython returns a borrowed reference: read it as an address, then take a new reference.
+_thread_state_dict_address = ctypes.PYFUNCTYPE(ctypes.c_void_p)(
+    ("PyThreadState_GetDict", ctypes.pythonapi)
+)
+
+
+def _thread_state_dict() -> dict[str, Any]:
+    """This thread's Python state dict (``PyThreadState_GetDict``)."""
+    return ctypes.cast(_thread_state_dict_address(), ctypes.py_object).value
+
+
+def dtensor_thread_cache_held() -> bool:
+    """Whether this thread holds a DTensor fast-path sharding cache (for tests)."""
+    return _DTENSOR_THREAD_CACHE_KEY in _thread_state_dict()
+
+
+def free_dtensor_thread_cache() -> None:
+    """Free this thread's DTensor fast-path sharding cache now rather than when the thread
+    ends: torch frees it under a process-wide C++ mutex while it lets go of the GIL, so
+    threads that end together can deadlock there, and no public call frees it (see
+    [Note: a rank thread's DTensor cache] in ``reffsdp.testing.thread_world``)."""
+    _thread_state_dict().pop(_DTENSOR_THREAD_CACHE_KEY, None)
 
 
 # -- DTensor and DeviceMesh ------------------------------------------------------------------

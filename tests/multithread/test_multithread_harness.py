@@ -261,3 +261,34 @@ def test_a_rank_whose_start_an_interrupt_cut_short_is_stopped_too(monkeypatch):
         run_threaded(rank_main, 2)
     assert begun.wait(10)  # set once the late start() returns, maybe after the run ended
     assert [t.name for t in threading.enumerate() if t.name.startswith("rank")] == []
+
+
+def test_each_rank_thread_frees_its_dtensor_cache_before_it_ends(monkeypatch):
+    """DTensor's per-thread sharding cache, freed by torch when a thread ends under a C++
+    mutex that two ending threads can deadlock on, is freed by each rank thread itself, one
+    at a time (see [Note: a rank thread's DTensor cache] in reffsdp.testing.thread_world)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+
+    from reffsdp.core import torch_internals
+    from reffsdp.testing import multithread
+
+    held_before_release, held_after_release = {}, {}
+    release = multithread.release_rank_thread
+
+    def observed_release() -> None:
+        rank = dist.get_rank() if dist.is_initialized() else threading.current_thread().name
+        held_before_release[rank] = torch_internals.dtensor_thread_cache_held()
+        release()
+        held_after_release[rank] = torch_internals.dtensor_thread_cache_held()
+
+    monkeypatch.setattr(multithread, "release_rank_thread", observed_release)
+
+    def rank_main(rank: int) -> None:
+        mesh = init_device_mesh("cpu", (2,))
+        tensor = distribute_tensor(torch.ones(4, 2), mesh, [Replicate()])
+        (tensor + tensor).sum()  # through DTensor's dispatch, which fills this thread's cache
+        assert torch_internals.dtensor_thread_cache_held()
+
+    run_threaded(rank_main, 2)
+    assert list(held_before_release.values()) == [True, True], held_before_release
+    assert list(held_after_release.values()) == [False, False], held_after_release
