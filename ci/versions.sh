@@ -28,6 +28,8 @@ install() {  # requirements file -> a fresh venv with that torch and reffsdp[tes
             -r "$1" -e ".[test]"
 }
 
+STEP_LIMIT_S=${STEP_LIMIT_S:-1800}  # per step; the slowest takes about 15 minutes on 2 cores
+
 summary() {  # the last line of a log that has the counts ("N passed ...")
     grep -E '[0-9]+ (passed|failed)' "$1" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//'
 }
@@ -35,8 +37,10 @@ summary() {  # the last line of a log that has the counts ("N passed ...")
 step() {  # version, title, log stem, command...: run it, show its tail, echo its summary
     local version=$1 title=$2 log=$3.log; shift 3
     echo "== torch $version: $title" >&2
-    "$@" > "$log" 2>&1
+    # A deadlock that holds the GIL stops pytest-timeout too: this limit ends the step.
+    timeout --signal=KILL "$STEP_LIMIT_S" "$@" > "$log" 2>&1
     local rc=$?
+    [ "$rc" = 137 ] && echo "(killed after ${STEP_LIMIT_S} s: no end in sight)" >> "$log"
     if [ "$rc" = 0 ]; then
         tail -n 3 "$log" >&2
         summary "$log"
