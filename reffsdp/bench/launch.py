@@ -13,6 +13,7 @@ gathers every rank's before it leaves the group, and every process gets the whol
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -72,6 +73,10 @@ def _process_main(
             known = dict(enumerate(every))
     finally:
         dist.destroy_process_group()
+        # Free what still holds the group (models, hooks: reference cycles), so gloo's
+        # worker threads are joined now, not torn down with the interpreter (where torch
+        # 2.15's abort with "terminate called without an active exception").
+        gc.collect()
     channel.send(json.dumps(sorted(known.items())))
 
 
