@@ -34,7 +34,7 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, TextIO
 
@@ -435,29 +435,13 @@ def pytest_argv(test: str, args: argparse.Namespace) -> list[str]:
     return [*argv, *args.pytest_args]
 
 
-@contextlib.contextmanager
-def _without_pytest_environment() -> Iterator[None]:
-    """No ``PYTEST_ADDOPTS`` and no plugins pytest would load from the environment (a
-    user's pytest-xdist or pytest-cov) for the length of the run."""
-    saved = {name: os.environ.get(name) for name in _PYTEST_VARIABLES}
-    os.environ.pop("PYTEST_ADDOPTS", None)
-    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-_PYTEST_VARIABLES = ("PYTEST_ADDOPTS", "PYTEST_DISABLE_PLUGIN_AUTOLOAD")
-
-
 def run_pytest(plugin: parity_plugin.ParityPlugin, args: argparse.Namespace) -> int:
     """Run the cases of ``plugin``'s test; pytest's exit code."""
-    with _without_pytest_environment():
+    with pytest.MonkeyPatch.context() as environment:
+        # No PYTEST_ADDOPTS, and no plugins pytest would load from the environment (a
+        # user's pytest-xdist or pytest-cov), for the length of the run.
+        environment.delenv("PYTEST_ADDOPTS", raising=False)
+        environment.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
         return int(pytest.main(pytest_argv(plugin.test, args), plugins=[plugin]))
 
 

@@ -37,13 +37,12 @@ from typing import Any
 import pytest
 
 from . import parity_tests
+from .suite_scenarios import MESHES, SUITE_APIS
 
 PLUGIN_NAME = "reffsdp-parity"
 MODULE_PATH = Path(parity_tests.__file__).resolve()
 SCENARIO_TEST = "test_scenario"
 SELF_TEST = "test_planted_bug"
-APIS = ("fully_shard", "wrapper", "naive")
-MESHES = ("1d", "hsdp", "2d", "3d")
 
 
 class ResultStream:
@@ -121,7 +120,7 @@ class ParityPlugin:
     # -- collection ----------------------------------------------------------------------
 
     def pytest_configure(self, config: pytest.Config) -> None:
-        for api in APIS:
+        for api in SUITE_APIS:
             config.addinivalue_line("markers", f"{api}: a scenario of the {api} API")
         for mesh in MESHES:
             config.addinivalue_line("markers", f"{mesh}: a scenario on the {mesh} mesh")
