@@ -19,11 +19,23 @@ multiple of the shard size; for :class:`reffsdp.naive.NaiveFSDP`, each parameter
 and padded to a multiple of ``W``, one unit per parameter, kept unsharded from forward to
 backward: ``2 Psi (W - 1) / W``). The measured side (:class:`CommTally`) applies the same rule
 to every collective reffsdp actually issues, with the size of the group it ran on.
+
+A parameter whose tensor takes over its own all-gather (it defines ``fsdp_pre_all_gather``;
+see [Note: the all-gather extension contract] in :mod:`reffsdp.testing.low_precision`) adds
+to ``Psi`` what its hook sends, not its padded elements times its dtype's size: the hook is
+asked for the inputs of the first shard, which has the padded size every rank sends, and
+their bytes times ``S`` are the gathered bytes. It is asked with a stand-in for the shard
+mesh (:class:`ShardGroupShape`) that knows the mesh's size, which is all a hook needs to pad
+its shard, so the expectation needs no process group. Example: a ``15 x 5`` fp32 weight on
+4 ranks gathers ``16 * 5 * 4 = 320`` bytes; as a
+:class:`~reffsdp.testing.low_precision.Float8GatherWeight`, fp8 data and an fp32 scale per
+row, ``16 * 5 + 16 * 4 = 144``. Its gradient is reduced in fp32 as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -35,6 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from reffsdp import MixedPrecisionPolicy
 from reffsdp.core import compat
 from reffsdp.core.comms import Collective
 
@@ -63,6 +76,16 @@ class CommUnit:
     gather_itemsize: int
     reduce_itemsize: int
     reshard_after_forward: bool | int
+    # All-gather output bytes when a member's tensor takes over its all-gather (see the
+    # module note); None: gather_numel * gather_itemsize.
+    gather_nbytes: int | None = None
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of the all-gather output over the whole shard group."""
+        if self.gather_nbytes is not None:
+            return self.gather_nbytes
+        return self.gather_numel * self.gather_itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +123,7 @@ def expected_per_step(
     for unit in units:
         if unit.gather_numel == 0:
             continue
-        gather = unit.gather_numel * unit.gather_itemsize
+        gather = unit.gathered_bytes
         if s > 1:
             counts[ALL_GATHER] += m
             nbytes += m * ring_bytes(gather, s)
@@ -126,7 +149,7 @@ def expected_per_step(
 
 def _local_shape(param: torch.Tensor) -> torch.Size:
     """The shape FSDP shards: a tensor-parallel parameter's local piece."""
-    return param.to_local().shape if isinstance(param, DTensor) else param.shape
+    return _local(param).shape
 
 
 def padded_numel(shape: Sequence[int], shard_size: int) -> int:
@@ -169,9 +192,11 @@ def fully_shard_units(
     first, the root last), each with the same arguments; call it before sharding.
 
     ``reshard_after_forward=None`` reshards every group but the root's, as ``fully_shard``
-    does.
+    does. A parameter that takes over its own all-gather counts what its hook sends (see
+    the module note).
     """
     units = []
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for index, params in enumerate(_owned_params(modules)):
         is_root = index == len(modules) - 1
         rf = (not is_root) if reshard_after_forward is None else reshard_after_forward
@@ -181,6 +206,12 @@ def fully_shard_units(
         gather_dtype = param_dtype or dtype
         # Unset, the reduce dtype follows the installed torch (compat entry 5).
         reduce_as = reduce_dtype or compat.fully_shard_default_reduce_dtype(param_dtype, dtype)
+        gather_nbytes = None
+        if any(hasattr(_local(p), "fsdp_pre_all_gather") for p in params):
+            owners = _direct_owners(modules[index])
+            gather_nbytes = sum(
+                _gather_nbytes(p, shard_size, gather_dtype, owners[id(p)], policy) for p in params
+            )
         units.append(
             CommUnit(
                 name=type(modules[index]).__name__,
@@ -191,9 +222,66 @@ def fully_shard_units(
                 gather_itemsize=gather_dtype.itemsize,
                 reduce_itemsize=reduce_as.itemsize,
                 reshard_after_forward=rf,
+                gather_nbytes=gather_nbytes,
             )
         )
     return units
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardGroupShape:
+    """Stands in for the shard mesh when a pre-all-gather hook is asked what it would send
+    (see the module note): a 1-D mesh of ``shard_size`` ranks, with no process group."""
+
+    shard_size: int
+    ndim: int = 1
+
+    def size(self, mesh_dim: int | None = None) -> int:
+        return self.shard_size
+
+
+def extension_gather_nbytes(
+    local: torch.Tensor, shard_size: int, module: nn.Module, mp_policy: Any
+) -> int:
+    """Bytes of the all-gather output of ``local``, a tensor that defines
+    ``fsdp_pre_all_gather``, over ``shard_size`` ranks: what its hook returns for the first
+    (padded) shard, called in the form it declares, times ``shard_size``::
+
+        >>> from reffsdp.testing.low_precision import Float8GatherWeight
+        >>> extension_gather_nbytes(Float8GatherWeight(torch.ones(15, 5)), 4, None, None)
+        144
+    """
+    shard = local.detach().chunk(shard_size)[0] if local.dim() else local.detach()
+    hook = shard.fsdp_pre_all_gather
+    mesh = ShardGroupShape(shard_size)
+    if len(inspect.signature(hook).parameters) == 1:
+        inputs, _ = hook(mesh)
+    else:
+        stride = torch.empty(local.shape, device="meta").stride()
+        inputs, _ = hook(mesh, local.shape, stride, module, mp_policy)
+    return shard_size * sum(t.numel() * t.element_size() for t in inputs)
+
+
+def _gather_nbytes(
+    param: torch.Tensor, shard_size: int, gather_dtype: torch.dtype, owner: nn.Module, policy: Any
+) -> int:
+    """Bytes of one parameter's part of its group's all-gather output."""
+    local = _local(param)
+    if hasattr(local, "fsdp_pre_all_gather"):
+        return extension_gather_nbytes(local, shard_size, owner, policy)
+    return padded_numel(local.shape, shard_size) * gather_dtype.itemsize
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """What FSDP shards: a tensor-parallel parameter's local piece, else the parameter."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _direct_owners(module: nn.Module) -> dict[int, nn.Module]:
+    """For each parameter under ``module`` (by ``id``), the module that holds it directly."""
+    return {
+        id(param): owner for owner in module.modules() for param in owner.parameters(recurse=False)
+    }
 
 
 def flat_numel(shapes: Sequence[Sequence[int]], shard_size: int, align_itemsize: int | None) -> int:

@@ -1,11 +1,12 @@
 """The parity suite's self-test: plant known bugs in reffsdp and check the suite fails.
 
 A passing parity suite means something only if a broken FSDP makes it fail. Each bug below
-is planted by patching one reffsdp internal for the length of a scenario (process-wide, so
-every rank thread sees it; in process backends each rank process patches itself), never by
-editing reffsdp. Each runs against both APIs, on a scenario that trains an uneven-width
-MLP (so padding is exercised) on the 1-D mesh, and must make that scenario fail; the
-result names the check that caught it (losses, gradients, parameters, counts or bytes).
+is planted by patching one reffsdp internal (the last one: the test's own fp8 weight) for
+the length of a scenario (process-wide, so every rank thread sees it; in process backends
+each rank process patches itself), never by editing reffsdp. Each runs against both APIs
+(the last one against ``fully_shard`` alone), on a scenario that trains an uneven-width MLP
+(so padding is exercised) on the 1-D mesh, and must make that scenario fail; the result
+names the check that caught it (losses, gradients, parameters, counts or bytes).
 
 The planted bugs, and the seam each uses:
 
@@ -16,7 +17,12 @@ The planted bugs, and the seam each uses:
 * mixed-precision reduce in the wrong dtype: ``ParamGroup._reduce_spec`` reduces in the
   compute dtype (bf16) where the policy asks for fp32;
 * missing all-gather prefetch: a prefetched all-gather is dropped at the group's
-  pre-backward, which gathers again (the numbers stay right; only the counts change).
+  pre-backward, which gathers again (the numbers stay right; only the counts change);
+* post-all-gather hook ignores ``out=`` (``fully_shard`` only, on the ``fp8-gather``
+  scenario): :class:`~reffsdp.testing.low_precision.Float8GatherWeight` returns without
+  refilling the unsharded weight, so every all-gather after the first leaves it holding
+  what its storage held (stale or freed-and-regrown). This one patches the test's own
+  subclass, not reffsdp, so it holds any FSDP to the all-gather extension contract.
 """
 
 from __future__ import annotations
@@ -173,11 +179,29 @@ def _drop_backward_prefetch() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _post_all_gather_ignores_out() -> Iterator[None]:
+    from .low_precision import Float8GatherWeight
+
+    original = Float8GatherWeight.fsdp_post_all_gather
+
+    def fsdp_post_all_gather(
+        self: Any, outputs: Any, metadata: Any, param_dtype: Any, *, out: Any = None
+    ) -> Any:
+        if out is not None:
+            return None  # the bug: the refill is skipped
+        return original(self, outputs, metadata, param_dtype)
+
+    with mock.patch.object(Float8GatherWeight, "fsdp_post_all_gather", fsdp_post_all_gather):
+        yield
+
+
 @dataclasses.dataclass(frozen=True)
 class PlantedBug:
     name: str
     plant: Callable[[], AbstractContextManager[Any]]
     feature: str = "fp32"  # the scenario feature it needs
+    apis: tuple[str, ...] = APIS  # those whose scenario has the feature
 
 
 BUGS: tuple[PlantedBug, ...] = (
@@ -187,6 +211,12 @@ BUGS: tuple[PlantedBug, ...] = (
     PlantedBug("wrong padding on an uneven shard", _front_padding),
     PlantedBug("mixed-precision reduce in the wrong dtype", _reduce_in_compute_dtype, "bf16"),
     PlantedBug("missing all-gather prefetch", _drop_backward_prefetch),
+    PlantedBug(
+        "post-all-gather hook ignores out=",
+        _post_all_gather_ignores_out,
+        "fp8-gather",
+        ("fully_shard",),
+    ),
 )
 
 
@@ -208,7 +238,7 @@ def self_test_spec(bug: PlantedBug, api: str) -> ScenarioSpec:
 
 def list_self_test(options: Any) -> list[tuple[str, str]]:
     """``(bug, api)`` of every planted bug :func:`iter_self_test` runs, in its order."""
-    return [(bug.name, api) for bug in BUGS for api in _self_test_apis(options)]
+    return [(bug.name, api) for bug in BUGS for api in _apis_of(bug, options)]
 
 
 def _self_test_apis(options: Any) -> tuple[str, ...]:
@@ -216,6 +246,11 @@ def _self_test_apis(options: Any) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"the self-test plants bugs in {list(APIS)} only, not in {unknown}")
     return options.api or APIS
+
+
+def _apis_of(bug: PlantedBug, options: Any) -> list[str]:
+    """The APIs of ``options`` that ``bug`` is planted in, in ``options``' order."""
+    return [api for api in _self_test_apis(options) if api in bug.apis]
 
 
 def iter_self_test(options: Any) -> Iterator[SelfTestResult]:
@@ -226,15 +261,17 @@ def iter_self_test(options: Any) -> Iterator[SelfTestResult]:
     The unpatched scenarios run first: a bug counts as caught only when the same scenario
     passes without it.
     """
-    apis = _self_test_apis(options)
     steps = max(2, options.steps)  # a stale shard shows from the second step on
     options = dataclasses.replace(options, steps=steps)
     baseline_specs = sorted(
-        {self_test_spec(bug, api) for bug in BUGS for api in apis}, key=lambda s: s.name
+        {self_test_spec(bug, api) for bug in BUGS for api in _apis_of(bug, options)},
+        key=lambda s: s.name,
     )
     baseline = {result.name: result for result in iter_results(baseline_specs, options)}
     for bug in BUGS:
-        specs = [self_test_spec(bug, api) for api in apis]
+        specs = [self_test_spec(bug, api) for api in _apis_of(bug, options)]
+        if not specs:
+            continue
         start = time.perf_counter()
         for spec, result in zip(specs, iter_results(specs, options, bug.plant)):
             caught, caught_by = _verdict(spec, baseline[spec.name], result)

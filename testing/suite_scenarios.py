@@ -43,7 +43,17 @@ middle block); ``tied`` (tied weights); ``orig-params`` (wrapper, ``use_orig_par
 its other scenarios use ``False``); ``sd-full`` / ``sd-sharded`` (train, save a full or
 sharded state dict, load it into a freshly built sharded model, train on; their models tie
 a weight, which the state dict holds under both names, as a GPT-2's embedding and output
-layer).
+layer); ``fp8-gather`` (``fully_shard`` on ``1d`` and ``hsdp`` only: every linear weight a
+:class:`~reffsdp.testing.low_precision.Float8GatherWeight`, all-gathered as fp8 data and
+per-row scales through the all-gather extension hooks, against
+:class:`~reffsdp.testing.low_precision.Float8GatherReference`; the bytes expected are the
+hooks' inputs, about a quarter of fp32's for wide rows).
+
+``fp8-gather`` takes the one-argument hook on ``1d``, whose MLP's 15- and 5-row weights
+leave ranks with padding rows to quantize, and the five-argument hook on ``hsdp``, whose
+transformer's rows divide evenly: on a rank that holds padding, torch's ``fully_shard``
+wants every input of the five-argument hook in the padded shard's shape, which a per-row
+scale (one column) cannot have, so that form is only usable where dim 0 divides.
 """
 
 from __future__ import annotations
@@ -62,6 +72,7 @@ from torch.utils._pytree import tree_map_only
 from .build import build_seeded
 from .expected_comms import CommUnit, StepShape, fully_shard_units, naive_units, wrapper_units
 from .inputs import random_inputs, random_tokens
+from .low_precision import Float8GatherReference, float8_weight_names, to_float8_gather
 from .models import (
     MLP,
     CheckpointedMLPStack,
@@ -99,9 +110,13 @@ FEATURES = (
     "orig-params",
     "sd-full",
     "sd-sharded",
+    "fp8-gather",
 )
 TP_MESHES = ("2d", "3d")
 WRAPPER_MESHES = ("1d", "hsdp")
+FP8_GATHER_MESHES = ("1d", "hsdp")  # fully_shard only
+# The pre-all-gather hook form (its number of arguments) per mesh; see [Note: the matrix].
+FP8_GATHER_HOOK_ARGUMENTS = {"1d": 1, "hsdp": 5}
 # A user's model runs these by default, and may add the optional ones.
 CUSTOM_FEATURES = ("fp32", "reshard", "accum", "offload", "sd-full", "sd-sharded")
 CUSTOM_OPTIONAL_FEATURES = ("bf16", "orig-params")
@@ -131,6 +146,7 @@ _MODEL_1D = {
     "orig-params": "transformer",
     "sd-full": "mlp",
     "sd-sharded": "transformer",
+    "fp8-gather": "mlp",
 }
 _MODEL_HSDP = {
     "fp32": "mlp",
@@ -144,6 +160,7 @@ _MODEL_HSDP = {
     "orig-params": "convnet",
     "sd-full": "transformer",
     "sd-sharded": "mlp",
+    "fp8-gather": "transformer",
 }
 
 
@@ -219,6 +236,15 @@ class ScenarioSpec:
         return ""
 
 
+def _in_matrix(api: str, mesh: str, feature: str) -> bool:
+    """Whether ``api`` runs ``feature`` on ``mesh``; see [Note: the matrix]."""
+    if feature == "orig-params":
+        return api == "wrapper"
+    if feature == "fp8-gather":
+        return api == "fully_shard" and mesh in FP8_GATHER_MESHES
+    return True
+
+
 def all_specs() -> list[ScenarioSpec]:
     """Every scenario of the suite, in run order; see [Note: the matrix]."""
     specs = []
@@ -226,7 +252,7 @@ def all_specs() -> list[ScenarioSpec]:
         meshes = MESHES if api == "fully_shard" else WRAPPER_MESHES
         for mesh in meshes:
             for feature in FEATURES:
-                if feature == "orig-params" and api != "wrapper":
+                if not _in_matrix(api, mesh, feature):
                     continue
                 if mesh in TP_MESHES:
                     model = "mlp"
@@ -392,6 +418,8 @@ def _shard_fully(model: nn.Module, spec: ScenarioSpec, mesh: _Mesh) -> tuple[nn.
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
     if spec.feature == "offload":
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    if spec.feature == "fp8-gather":
+        to_float8_gather(model, FP8_GATHER_HOOK_ARGUMENTS[spec.mesh])
     blocks = _blocks(model, spec)
     units = fully_shard_units(
         [*blocks, model],
@@ -528,6 +556,9 @@ def build_scenario(
         check_kwargs["no_sync"] = _no_sync(spec)
     if spec.feature == "bf16":
         ref_model = LowPrecisionCompute(ref_model, BF16)
+        model = Passthrough(model)
+    if spec.feature == "fp8-gather":
+        ref_model = Float8GatherReference(ref_model, float8_weight_names(ref_model))
         model = Passthrough(model)
     if spec.mesh in TP_MESHES:
         check_kwargs.update(TP_TOLERANCES[spec.feature == "bf16"])

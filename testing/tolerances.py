@@ -78,6 +78,45 @@ bound while training (a plain sum of logits) amplifies every difference step aft
 A tolerance the caller gives (``rtol``/``atol``, one number for every dtype or a mapping
 from dtype to number) replaces this for the dtypes it names, and is applied elementwise as
 ``torch.allclose`` does: ``|actual - expected| <= atol + rtol * |expected|``.
+
+[Note: quantized weights]
+The ``fp8-gather`` scenarios shard weights that all-gather as fp8
+(:class:`~reffsdp.testing.low_precision.Float8GatherWeight`): the sharded model computes
+with ``q(w)``, its weight quantized to fp8 row by row and dequantized to fp32, while its
+DDP reference (:class:`~reffsdp.testing.low_precision.Float8GatherReference`) computes with
+``w + (q(w) - w).detach()`` of its own fp32 weight. fp8 keeps 3 mantissa bits, an error of
+up to 1/16 of an element, yet the fp32 default above holds unchanged, with no fp8 term:
+
+a. Equal weights quantize to the same bits. A scale belongs to a row and dim-0 sharding
+   never splits a row, so a rank's shard quantizes as that part of the whole weight does;
+   and ``w + (q(w) - w)`` is ``q(w)`` exactly, since ``q(w)`` is within a factor 2 of ``w``
+   (or 0) and so ``q(w) - w`` is exact (Sterbenz's lemma). At step 0 both models start
+   from the same weights and compute the same forward on each rank, as in fp32.
+b. The gradient passes straight through on both sides. The sharded model's gradient is
+   that of the dequantized weight, a leaf; the reference's passes ``w + c`` unchanged. So
+   each rank's local gradients are the same numbers, and the reductions differ only as in
+   point 2 above.
+c. After a step the weights differ by the drift ``dw`` the weight checks accepted. With
+   the same fp8 codes, two weights' quantized values differ by at most ``dw`` (a code of
+   at most 448 times a scale that moved by at most ``dw / 448``): within the drift fp32
+   training already carries. The codes differ only where a rounding boundary of fp8 lies
+   between the two weights; there the quantized values differ by a whole fp8 step, at
+   least 1/16 of the element, as large as the bugs the checks are for, so no tolerance
+   covers it. The chance is about ``2 dw / step`` per element and step. ``dw`` is at
+   most ``1e-8`` in the suite (plain SGD's ``lr = 1e-3`` times rounding-sized gradient
+   differences; most elements drift far less), and an element of order 0.1 has steps of
+   about ``1e-2``: ``2e-6``. Elements below ``amax / 448 / 64`` of their row's largest
+   magnitude are fp8 subnormals, with steps of ``amax / 448 / 512``, so chances thousands
+   of times larger, but they are a few in ``10**5`` of the suite's weights. Over a
+   scenario's few thousand quantized elements and 3 steps the chance of any flip is
+   around 1 in 100 at most, with every element at the largest drift. A run is
+   deterministic: the suite's seeds meet none, a seed that met one would fail every
+   time, and its remedy is another seed, not a wider tolerance.
+
+Measured (4 threaded ranks, 3 steps, torch's ``fully_shard`` in reffsdp's place, as
+``test_the_fp8_gather_scenarios_pass_under_torchs_fully_shard...`` runs them): the 1-D MLP
+matches its reference bit for bit; the HSDP transformer's largest differences are
+``9.5e-7`` (loss and gradients, allowed ``1.4e-4``) and ``1.5e-8`` (weights).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ One subset of the matrix that covers every feature, every mesh (the 8-rank 3-D o
 both APIs and every model; a planted wrong expected count (and byte minimum) failing a
 scenario whose numbers match; every planted bug of the self-test caught; the analytic
 byte minimum equal to what torch's own FSDP sends (``fully_shard`` and the wrapper, 1-D and
-HSDP); the two scenarios of ``reffsdp.naive`` passing, and failing on an extra all-gather;
+HSDP); the ``fp8-gather`` scenarios sending their all-gather hooks' bytes; the two
+scenarios of ``reffsdp.naive`` passing, and failing on an extra all-gather;
 the README's "Checking your own model" example. The whole default run is exercised
 by the command-line tests.
 """
@@ -50,6 +51,7 @@ SUBSET = (
     "wrapper/1d/offload/transformer",
     "wrapper/hsdp/sd-sharded/mlp",
     "wrapper/1d/fp32/convnet",
+    "fully_shard/1d/fp8-gather/mlp",
 )
 
 
@@ -70,6 +72,23 @@ def test_a_subset_covering_every_feature_mesh_api_and_model_passes():
         assert result.atol is not None and result.rtol is not None
         assert result.world_size == (8 if result.mesh == "3d" else 4)
         json.dumps(result.to_dict())
+
+
+def test_the_fp8_gather_scenarios_pass_sending_the_hooks_bytes():
+    """reffsdp's fully_shard honours the all-gather extension contract: weights gathered as
+    fp8 and per-row scales train as the quantized DDP reference does, and each rank sends
+    the bytes of the hooks' inputs (see [Note: bytes sent per rank])."""
+    results = run_suite(SuiteOptions(only=("*/fp8-gather/*",)))
+    assert [r.name for r in results] == [
+        "fully_shard/1d/fp8-gather/mlp",
+        "fully_shard/hsdp/fp8-gather/transformer",
+    ]
+    fp32_minimum = {"1d": 6624, "hsdp": 54720}  # the same step with fp32 all-gathers
+    for result in results:
+        assert result.status == "passed", (result.name, result.message)
+        assert result.counts == result.expected_counts, result.name
+        assert result.bytes_per_step == result.min_bytes_per_step, result.name
+        assert result.bytes_per_step < 0.7 * fp32_minimum[result.mesh], result.name
 
 
 def test_the_naive_scenarios_pass_and_an_extra_all_gather_fails_one(monkeypatch):
@@ -166,12 +185,15 @@ def test_a_wrong_expectation_fails_a_scenario_whose_numbers_match(monkeypatch, k
 
 def test_every_planted_bug_is_caught_by_the_check_expected():
     results = run_self_test(SuiteOptions())
-    assert len(results) == 12
+    assert len(results) == 13
     by_bug = {}
     for result in results:
         assert result.caught, (result.bug, result.api, result.caught_by)
         by_bug.setdefault(result.bug, set()).add(result.caught_by.split(":")[0])
         json.dumps(result.to_dict())
+    # stale weights show in the next losses; freed-and-regrown storage, in gradients first
+    refill = by_bug.pop("post-all-gather hook ignores out=")
+    assert refill and refill <= {"losses", "gradients"}, refill
     assert by_bug == {
         "wrong gradient divide factor": {"gradients"},
         "skipped reduce-scatter": {"gradients"},

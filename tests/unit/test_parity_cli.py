@@ -157,7 +157,7 @@ def test_api_naive_lists_the_two_naive_scenarios_of_the_real_engine(capsys):
     assert capsys.readouterr().out.split() == ["naive/1d/fp32/mlp", "naive/1d/accum/transformer"]
     assert cli.main(["--list"]) == 0
     out = capsys.readouterr().out.split()
-    assert len(out) == 64 and out[-2:] == ["naive/1d/fp32/mlp", "naive/1d/accum/transformer"]
+    assert len(out) == 66 and out[-2:] == ["naive/1d/fp32/mlp", "naive/1d/accum/transformer"]
 
 
 def test_defaults_and_filters_reach_the_engine_as_options(engine):

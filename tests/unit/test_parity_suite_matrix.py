@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from fractions import Fraction
 
 import pytest
@@ -16,6 +17,7 @@ from reffsdp.testing.expected_comms import (
     naive_units,
     padded_numel,
 )
+from reffsdp.testing.low_precision import to_float8_gather
 from reffsdp.testing.models import MLPStack, TiedMLPStack
 from reffsdp.testing.parity_suite import (
     SuiteOptions,
@@ -30,6 +32,7 @@ from reffsdp.testing.suite_scenarios import (
     MODELS,
     WRAPPER_MESHES,
     ScenarioSpec,
+    all_specs,
 )
 
 NAIVE = ["naive/1d/fp32/mlp", "naive/1d/accum/transformer"]
@@ -49,6 +52,9 @@ def test_every_feature_on_every_mesh_of_each_api_and_every_model_on_each_api():
             for feature in FEATURES:
                 if feature == "orig-params" and api == "fully_shard":
                     continue
+                if feature == "fp8-gather" and (api == "wrapper" or mesh in ("2d", "3d")):
+                    assert (api, mesh, feature) not in cells, (api, mesh, feature)
+                    continue
                 assert (api, mesh, feature) in cells, (api, mesh, feature)
         assert {i.model for i in infos if i.api == api} == set(MODELS)
     assert not [i for i in infos if i.api == "wrapper" and i.mesh in ("2d", "3d")]
@@ -57,7 +63,7 @@ def test_every_feature_on_every_mesh_of_each_api_and_every_model_on_each_api():
 
 def test_the_naive_scenarios_run_last_and_only_in_the_suite():
     everything = names()
-    assert len(everything) == 64 and everything[-2:] == NAIVE
+    assert len(everything) == 66 and everything[-2:] == NAIVE
     assert names(api=("naive",)) == NAIVE
     assert not [s for s in parity_scenarios() if s.spec.api == "naive"]
     for apis in (("naive",), ("fully_shard", "naive")):
@@ -161,3 +167,40 @@ def test_fully_shard_units_follow_ownership_and_the_root_rule():
     assert [u.reshard_after_forward for u in units] == [True, True, True]  # root: no params
     assert units[1].reduce_numel == 0
     assert units[0].gather_numel == 16 * 5 + 16 + 8 * 15 + 8
+
+
+def test_fp8_gather_runs_under_fully_shard_on_1d_and_hsdp_only():
+    specs = [s for s in all_specs() if s.feature == "fp8-gather"]
+    assert [s.name for s in specs] == [
+        "fully_shard/1d/fp8-gather/mlp",  # one-argument hook: uneven rows, padding
+        "fully_shard/hsdp/fp8-gather/transformer",  # five-argument hook: even rows
+    ]
+    assert names(only=("*fp8*",)) == [s.name for s in specs]
+    assert [s.name for s in parity_scenarios(features=("fp8-gather",))] == [s.name for s in specs]
+    with pytest.raises(ValueError, match="no scenario"):
+        parity_scenarios(apis=("wrapper",), features=("fp8-gather",))
+
+
+@pytest.mark.parametrize("hook_arguments", [1, 5])
+def test_fully_shard_units_count_what_the_all_gather_hooks_send(hook_arguments):
+    model = MLPStack(5)
+    fp32 = fully_shard_units([*model, model], 4)
+    to_float8_gather(model, hook_arguments)
+    fp8 = fully_shard_units([*model, model], 4)
+    # MLP(5, x3) on 4 ranks: in_proj 15 x 5 pads to 16 rows of 5 fp8 bytes and a 4-byte
+    # scale each, out_proj 5 x 15 to 8 rows of 15 + 4; the fp32 biases 16 and 8 elements
+    assert fp8[0].gathered_bytes == 16 * (5 + 4) + 16 * 4 + 8 * (15 + 4) + 8 * 4 == 392
+    assert fp32[0].gathered_bytes == 4 * (16 * 5 + 16 + 8 * 15 + 8) == 896
+    assert [u.gathered_bytes for u in fp8] == [
+        392,
+        20 * (5 + 4) + 20 * 4 + 8 * (20 + 4) + 8 * 4,
+        392,
+    ]
+    for before, after in zip(fp32, fp8):  # elements and the fp32 reduction as before
+        assert dataclasses.replace(after, gather_nbytes=None) == before
+    counts, nbytes = expected_per_step(fp8, StepShape(4))
+    fp32_counts, fp32_nbytes = expected_per_step(fp32, StepShape(4))
+    assert counts == fp32_counts
+    # each unit gathered twice (resharded after forward) and reduced once, 3/4 of it sent
+    gathered, reduced = sum(u.gathered_bytes for u in fp8), 4 * sum(u.reduce_numel for u in fp8)
+    assert nbytes == Fraction(3, 4) * (2 * gathered + reduced) < fp32_nbytes
