@@ -20,7 +20,10 @@ Before each all-gather, FSDP calls
 shard mesh, ``outer_size`` the unsharded parameter's size). It all-gathers every input along
 dim 0 over ``mesh``: inputs of several dtypes travel in one collective, as bytes. So every
 rank must return inputs of the same shapes, those of the *padded* shard: dim 0 padded to
-``ceil(rows / mesh.size())``, whether or not this rank holds padding. Then FSDP calls
+``ceil(rows / mesh.size())``, whether or not this rank holds padding. (torch's
+``fully_shard`` goes further for the five-argument form: on a rank that holds padding it
+wants every input in the padded shard's full shape, which a one-column scale input cannot
+have; with torch that form suits only weights whose dim 0 divides evenly.) Then FSDP calls
 
     local.fsdp_post_all_gather(outputs, metadata, param_dtype)            # the first time
     local.fsdp_post_all_gather(outputs, metadata, param_dtype, out=param)  # every later time
