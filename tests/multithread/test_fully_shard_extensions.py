@@ -75,7 +75,9 @@ def local_value(param: torch.Tensor) -> torch.Tensor:
     return local._data if isinstance(local, Fp32Held) else local
 
 
-class ExtensionHarness(FSDPTestMultiThread):
+class ExtensionChecks:
+    """Training next to torch's ``fully_shard``, for either harness (threads or processes)."""
+
     def twins(self, cls: type[Fp32Held], dims=(8, 16, 8)) -> tuple[nn.Module, nn.Module]:
         model = mlp_stack(dims)
         self.sync_module_states(model)
@@ -121,27 +123,33 @@ class ExtensionHarness(FSDPTestMultiThread):
             if param.grad is not None:
                 self.assertTrue(torch.equal(local_value(param.grad), local_value(twin.grad)))
 
-
-class TestExtensionsTrainLikeTorch(ExtensionHarness):
-    @property
-    def world_size(self) -> int:
-        return 4
-
-    def test_1d_and_hsdp(self):
-        meshes = {
-            "1d": init_device_mesh("cpu", (4,)),
-            "hsdp": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
-        }
+    def check_1d_and_hsdp(self, classes=(Bf16Gathered, Bf16GatheredOldForm, Int8RowsGathered)):
+        """Every extension class on a 1-D mesh of all ranks and, with 4 ranks or more, on a
+        2 x (world size / 2) HSDP mesh; resharding after forward or not."""
+        meshes = {"1d": init_device_mesh("cpu", (self.world_size,))}
+        if self.world_size >= 4:
+            meshes["hsdp"] = init_device_mesh(
+                "cpu", (2, self.world_size // 2), mesh_dim_names=("replicate", "shard")
+            )
         self.run_subtests(
             {
-                "cls": [Bf16Gathered, Bf16GatheredOldForm, Int8RowsGathered],
-                "mesh_name": ["1d", "hsdp"],
+                "cls": list(classes),
+                "mesh_name": list(meshes),
                 "reshard_after_forward": [True, False],
             },
             lambda cls, mesh_name, reshard_after_forward: self.train_both(
                 self.twins(cls), mesh=meshes[mesh_name], reshard_after_forward=reshard_after_forward
             ),
         )
+
+
+class TestExtensionsTrainLikeTorch(ExtensionChecks, FSDPTestMultiThread):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_1d_and_hsdp(self):
+        self.check_1d_and_hsdp()
 
     def test_uneven_shards_padded_by_the_hook(self):
         # 6 and 5 rows over 4 ranks: ranks 2 and 3 pad; the 5-argument hook pads itself.
@@ -179,7 +187,7 @@ class TestExtensionsTrainLikeTorch(ExtensionHarness):
             self.assert_same_shards(ours, theirs)
 
 
-class TestExtensionContract(ExtensionHarness):
+class TestExtensionContract(ExtensionChecks, FSDPTestMultiThread):
     @property
     def world_size(self) -> int:
         return 2
@@ -329,7 +337,7 @@ class TestMisuseOnFourRanks(FSDPTestMultiThread):
 @pytest.mark.skipif(
     not EXTENSIONS_MAY_RELEASE_OUTPUTS, reason="torch asks extensions this from 2.15"
 )
-class TestReleasingOutputsAfterThePostHook(ExtensionHarness):
+class TestReleasingOutputsAfterThePostHook(ExtensionChecks, FSDPTestMultiThread):
     @property
     def world_size(self) -> int:
         return 2
