@@ -196,10 +196,11 @@ class ShardedParam(PaddedShardMember):
         self.pin_memory = pin_memory and self.offload
         if self.offload:
             self.padded_shard = self._to_host(self.padded_shard)
-        self._installed_local = self._local_view()
         self.sharded_param = nn.Parameter(
-            self._to_dtensor(self._installed_local), requires_grad=param.requires_grad
+            self._to_dtensor(self._local_view()), requires_grad=param.requires_grad
         )
+        # nn.Parameter wraps a detached DTensor, which holds a local tensor of its own
+        self._installed_local = _local_tensor(self.sharded_param)
 
     # -- the sharded form ---------------------------------------------------------------
 

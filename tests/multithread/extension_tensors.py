@@ -83,7 +83,7 @@ def _refill(out: torch.Tensor, value: torch.Tensor) -> None:
 
 class Bf16Gathered(Fp32Held):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        log().append(("pre", {"mesh": mesh, "size": self.size(), "module": module}))
+        log().append(("pre", {"mesh": mesh, "size": self.size(), "module": module, "self": self}))
         rows = math.ceil(outer_size[0] / mesh.size())
         padded = self._data.new_zeros((rows, *outer_size[1:]), dtype=torch.bfloat16)
         padded[: self._data.size(0)].copy_(self._data)
@@ -102,13 +102,13 @@ class Bf16Gathered(Fp32Held):
 
 class Bf16GatheredOldForm(Bf16Gathered):
     def fsdp_pre_all_gather(self, mesh):
-        log().append(("pre", {"mesh": mesh, "size": self.size(), "module": None}))
+        log().append(("pre", {"mesh": mesh, "size": self.size(), "module": None, "self": self}))
         return (self._data.to(torch.bfloat16),), None
 
 
 class Int8RowsGathered(Fp32Held):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        log().append(("pre", {"mesh": mesh, "size": self.size(), "module": module}))
+        log().append(("pre", {"mesh": mesh, "size": self.size(), "module": module, "self": self}))
         rows = self._data.reshape(self._data.size(0), -1)
         scales = (rows.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
         data = torch.round(rows / scales).to(torch.int8)
