@@ -15,6 +15,12 @@ Two ranks, params ``a`` (3 rows) and ``b`` (2 rows), one element per row::
     reduce-scatter input, row 0: [a0 a1 | b0]      row 1: [a2 pad | b1]
     rank 0 receives sum of row 0 -> grad shards a[0:2], b[0:1]
 
+A member may offer several all-gather inputs (a parameter whose tensor subclass gathers
+itself, e.g. fp8 data and a scale: [Note: all-gather extensions] in
+``reffsdp/per_param/extensions.py``); each is one more column block of the row, with an
+output of its own. When the inputs of a group differ in dtype, the collective moves raw
+bytes: every input is viewed as ``uint8`` for copy-in and every output for copy-out.
+
 A group of one member (a wrapper instance's flat parameter, or a lone parameter) needs
 neither copy: its shard is the whole of row r, so the group may pass the member's own
 output buffer as ``output`` and the collective gathers the shard straight into it. Its
@@ -105,7 +111,8 @@ def foreach_all_gather(
     comm: comms.AllGather | None = None,
     output: torch.Tensor | None = None,
 ) -> AllGatherResult:
-    """Copy every input into this rank's slice of one buffer and all-gather it in place.
+    """Copy every input (the members' inputs, in order) into this rank's slice of one buffer
+    and all-gather it in place.
 
     With one input, ``output`` may be given: the member's own buffer, gathered into
     directly (see [Note: one collective per group]).
@@ -120,7 +127,7 @@ def foreach_all_gather(
         work = work if async_op else None
         return AllGatherResult(output, [shard.numel()], world_size, work, in_place=True)
     if len({t.dtype for t in inputs}) > 1:
-        # Mixed dtypes (e.g. a frozen non-float parameter): move raw bytes instead.
+        # Mixed dtypes (a frozen non-float parameter, an fp8 extension's scales): bytes.
         inputs = [t.view(torch.uint8) for t in inputs]
     numels = [t.numel() for t in inputs]
     total = sum(numels)
@@ -136,16 +143,17 @@ def foreach_all_gather(
 
 
 def foreach_all_gather_copy_out(result: AllGatherResult, members: list[GroupMember]) -> None:
-    """Split the gathered ``(world_size, N)`` buffer into each member's output buffer.
+    """Split the gathered ``(world_size, N)`` buffer into the members' output buffers.
 
-    Row r of ``result`` holds rank r's inputs side by side; each member's output buffer,
-    viewed with the same number of rows, receives its column block.
+    Row r of ``result`` holds rank r's inputs side by side; each output buffer, viewed with
+    the same number of rows, receives its input's column block.
     """
     result.wait()
     if result.in_place:
         members[0].finish_unshard()
         return
-    targets = [member.all_gather_output().view(result.world_size, -1) for member in members]
+    outputs = [output for member in members for output in member.all_gather_outputs()]
+    targets = [output.view(result.world_size, -1) for output in outputs]
     if result.output.dtype == torch.uint8:
         targets = [t.view(torch.uint8) for t in targets]
     rows = result.output.view(result.world_size, -1)

@@ -26,6 +26,9 @@ entry names the releases on each side.
  6    the C++ ``FakeProcessGroup``'s reduce-scatter writes this rank's   --       2.13
       chunk of the input to the output (before, the output is left as
       it was)
+ 7    ``fully_shard`` asks an all-gather extension whether to free the  --       2.15
+      gathered outputs once its post hook built the unsharded form
+      (``fsdp_should_release_all_gather_outputs_after_post_all_gather``)
 ====  =================================================================  =======  =======
 
 The tests import :data:`TORCH_VERSION` to compare with the installed torch's own behaviour.
@@ -189,3 +192,11 @@ def fully_shard_default_reduce_dtype(
 
 FAKE_REDUCE_SCATTER_WRITES_OUTPUT = TORCH_VERSION >= (2, 13)
 """Whether the fake group's reduce-scatter fills its output (entry 6); it never reduces."""
+
+
+# 7. The all-gather extension contract. -------------------------------------------------------
+
+EXTENSIONS_MAY_RELEASE_OUTPUTS = TORCH_VERSION >= (2, 15)
+"""Whether ``fully_shard`` asks a parameter's all-gather extension if its gathered outputs may
+be freed right after its post hook (entry 7; see [Note: all-gather extensions] in
+``reffsdp/per_param/extensions.py``)."""

@@ -13,7 +13,9 @@ Sizes a member reports are element counts in the member's compute dtype:
 
 * ``shard_numel``: this rank's padded shard, the same on every rank of the shard group;
 * the all-gather output it offers holds ``world_size * shard_numel`` elements, rank r's
-  shard in row r;
+  shard in row r (a parameter whose tensor subclass gathers itself may offer several
+  inputs of its own sizes and dtypes instead, each with an output of ``world_size`` times
+  its size: see [Note: all-gather extensions] in ``reffsdp/per_param/extensions.py``);
 * the gradient it hands over for reduction splits, after padding its dim 0 to a multiple
   of ``world_size``, into ``world_size`` equal chunks of ``shard_numel`` elements: chunk r
   is what rank r keeps. The reduced chunk comes back through ``accept_reduced_grad``.
@@ -22,10 +24,9 @@ Two ranks, a member with a ``(3, 2)`` weight: ``shard_numel = 4`` (two rows, ran
 second row is padding), the all-gather output has 8 elements, and the gradient ``(3, 2)``
 is padded to ``(4, 2)`` and cut into two chunks of 4 elements.
 
-Both kinds keep their shard as one padded 1-D tensor, gather into one 1-D buffer and keep
-a gradient across backwards while gradient sync is off: :class:`PaddedShardMember` does
-those alike for both, so only what differs (where the shard and the unsharded form live,
-how a gradient is read) is written twice.
+Both kinds keep their shard as one padded 1-D tensor and gather it into one 1-D buffer:
+:class:`PaddedShardMember` does that alike for both, so only what differs (where the shard
+and the unsharded form live, how a gradient is read and kept) is written twice.
 """
 
 from __future__ import annotations
@@ -85,14 +86,16 @@ class GroupMember(Protocol):
         whether it wrote to the shard; members with nothing to do keep this default."""
         return False
 
-    def all_gather_input(self) -> torch.Tensor:
-        """This rank's padded shard, 1-D, on the compute device, in compute dtype."""
+    def all_gather_inputs(self) -> list[torch.Tensor]:
+        """What this rank sends, 1-D tensors on the compute device: its padded shard in the
+        compute dtype (or what the parameter's all-gather extension hands over)."""
         ...
 
-    def all_gather_output(self) -> torch.Tensor:
-        """The 1-D buffer (storage allocated) that receives the gathered rows.
+    def all_gather_outputs(self) -> list[torch.Tensor]:
+        """The 1-D buffers (storage allocated) that receive the gathered rows, one per input
+        of the last :meth:`all_gather_inputs`, ``world_size`` times its size and of its dtype.
 
-        Return an alias autograd does not track (``tensor.data``): re-gathering in backward
+        Return aliases autograd does not track (``tensor.data``): re-gathering in backward
         must not bump the version of tensors autograd saved in forward.
         """
         ...
@@ -137,7 +140,8 @@ class GroupMember(Protocol):
         ...
 
     def keep_unsharded_grad(self) -> None:
-        """Gradient sync is off: keep this backward's gradient for a later synced one."""
+        """Gradient sync is off: keep this backward's gradient (in the kept dtype) for a
+        later synced backward to reduce."""
         ...
 
     def accept_reduced_grad(self, shard: torch.Tensor) -> bool:
@@ -189,18 +193,16 @@ def with_storage(
 
 
 class PaddedShardMember(GroupMember):
-    """The all-gather input and output, and the gradient kept while sync is off, of a
-    member whose shard is one padded 1-D tensor (both kinds of member).
+    """The all-gather input and output of a member whose shard is one padded 1-D tensor
+    (both kinds of member).
 
-    A subclass sets ``device`` (the compute device), ``offload``, ``gathered`` (``None``
-    until the first all-gather) and ``unsharded_accumulated_grad`` (``None``), and answers
-    the four methods below that raise here.
+    A subclass sets ``device`` (the compute device), ``offload`` and ``gathered`` (``None``
+    until the first all-gather), and answers the three methods below that raise here.
     """
 
     device: torch.device
     offload: bool  # the shard lives on the host (CPU offload): copied in for each all-gather
     gathered: torch.Tensor | None  # 1-D, world_size * shard_numel, compute dtype
-    unsharded_accumulated_grad: torch.Tensor | None  # kept while gradient sync is off
 
     def _padded_shard(self) -> torch.Tensor:
         """This rank's padded shard, 1-D, in the original dtype (on the host if offloaded)."""
@@ -215,11 +217,13 @@ class PaddedShardMember(GroupMember):
         """Drop the unsharded form built on ``gathered``: a new buffer replaces it."""
         raise NotImplementedError
 
-    def _pop_unsharded_grad(self) -> torch.Tensor | None:
-        """Take this backward's gradient off the unsharded form (``None`` if it has none)."""
-        raise NotImplementedError
-
     # -- all-gather ---------------------------------------------------------------------
+
+    def all_gather_inputs(self) -> list[torch.Tensor]:
+        return [self.all_gather_input()]
+
+    def all_gather_outputs(self) -> list[torch.Tensor]:
+        return [self.all_gather_output()]
 
     def all_gather_input(self) -> torch.Tensor:
         """The padded shard on the compute device (a non-blocking copy from the host under
@@ -244,32 +248,3 @@ class PaddedShardMember(GroupMember):
             self.gathered, self._gathered_numel, self.compute_dtype, self.device
         )
         return self.gathered.data
-
-    # -- gradients kept while sync is off -----------------------------------------------
-
-    def keep_unsharded_grad(self) -> None:
-        """Gradient sync is off: add this backward's gradient to the kept one (made in
-        :meth:`_kept_grad_dtype` at the first)."""
-        grad = self._pop_unsharded_grad()
-        if grad is None:
-            return
-        if self.unsharded_accumulated_grad is None:
-            dtype = self._kept_grad_dtype(grad)
-            self.unsharded_accumulated_grad = grad.to(dtype, copy=True)
-        else:
-            self.unsharded_accumulated_grad += grad
-
-    def _kept_grad_dtype(self, grad: torch.Tensor) -> torch.dtype:
-        """The dtype gradients kept while sync is off add up in: the reduce dtype, else the
-        gradient's own (torch's ``fully_shard`` upcasts them so)."""
-        return self.reduce_dtype or grad.dtype
-
-    def _take_unsharded_grad(self) -> torch.Tensor | None:
-        """Pop this backward's gradient plus any kept while sync was off (``None``: neither)."""
-        grad = self._pop_unsharded_grad()
-        kept, self.unsharded_accumulated_grad = self.unsharded_accumulated_grad, None
-        if kept is None:
-            return grad
-        if grad is not None:
-            kept += grad
-        return kept

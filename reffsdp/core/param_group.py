@@ -181,7 +181,8 @@ class ParamGroup:
             if post_forward:
                 inputs = [m.post_forward_all_gather_input() for m in self.members]
             else:
-                inputs = [m.all_gather_input() for m in self.members]
+                inputs = [t for m in self.members for t in m.all_gather_inputs()]
+            on_compute_stream = stream.on_compute_stream(current)
             self._all_gather = collectives.foreach_all_gather(
                 inputs,
                 mesh_info.shard_group,
@@ -189,23 +190,29 @@ class ParamGroup:
                 mesh_info.shard_rank,
                 async_op=True,
                 comm=self.settings.all_gather_comm,
-                output=self._member_output_to_gather_into(stream.on_compute_stream(current)),
+                output=self._output_to_gather_into(inputs, on_compute_stream),
             )
             self._all_gather.event = stream.record()
         if backend_for(self.device).runs_inline and not async_op:
             self._all_gather.wait()
 
-    def _member_output_to_gather_into(self, on_compute_stream: bool) -> torch.Tensor | None:
+    def _output_to_gather_into(
+        self, inputs: list[torch.Tensor], on_compute_stream: bool
+    ) -> torch.Tensor | None:
         """The one member's output buffer, to all-gather into without copies, or ``None``.
 
-        Only a group of one member, with no custom all-gather (which allocates its own
-        buffer), gathering on the compute stream: a member's buffer lives on the compute
-        stream, and a side stream writing into it could race with compute still reading its
-        memory (see [Note: why all-gathers get their own stream] in ``streams``).
+        Only a group of one member with one input, with no custom all-gather (which
+        allocates its own buffer), gathering on the compute stream: a member's buffer lives
+        on the compute stream, and a side stream writing into it could race with compute
+        still reading its memory (see [Note: why all-gathers get their own stream] in
+        ``streams``).
         """
-        if len(self.members) != 1 or self.settings.all_gather_comm is not None:
+        if len(self.members) != 1 or len(inputs) != 1 or not on_compute_stream:
             return None
-        return self.members[0].all_gather_output() if on_compute_stream else None
+        if self.settings.all_gather_comm is not None:
+            return None
+        (output,) = self.members[0].all_gather_outputs()
+        return output
 
     def wait_for_unshard(self) -> None:
         """Finish a started all-gather and show the unsharded parameters."""

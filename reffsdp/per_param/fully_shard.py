@@ -267,6 +267,7 @@ def _shard_params(
             offload=offload,
             pin_memory=pin_memory,
             param_dtype_override=param_dtype_override(mp_policy, param),
+            mp_policy=mp_policy,
         )
         sharded.append(sharded_param)
     # Register the sharded parameters only once every parameter passed its checks, so an

@@ -29,6 +29,22 @@ capture needs), at the cost of holding the unsharded bytes between uses.
 
 Writes into ``gathered`` go through ``.data``: that alias has its own version counter, so
 re-gathering in backward does not make autograd reject tensors it saved in forward.
+
+A parameter whose local tensor defines the all-gather extension hooks has no ``gathered``:
+its :class:`~reffsdp.per_param.extensions.AllGatherExtension` holds the gathered outputs and
+the post hook builds ``unsharded_param`` (see [Note: all-gather extensions] in
+``extensions``).
+
+[Note: the pending gradient]
+With gradient sync off (``set_requires_gradient_sync(False)``) a backward reduces nothing:
+its gradient stays where autograd put it, ``unsharded_param.grad``, and later backwards add
+to it. Between backwards the parameter is resharded (its data freed), but the gradient
+stays on the unsharded parameter object, so ``unshard()`` shows it as ``weight.grad``, and
+whatever a user does to it (scale it, zero it, replace it) is what the next synced backward
+reduces, as with torch's ``fully_shard``. It is kept in the reduce dtype
+(``MixedPrecisionPolicy.reduce_dtype``, else the dtype it was computed in): when that is
+wider than the compute dtype it is upcast once, and the parameter's ``grad_dtype`` tells
+autograd to add later gradients in that dtype; the reduction restores the parameter's own.
 """
 
 from __future__ import annotations
@@ -49,6 +65,8 @@ from ..core.member import PaddedShardMember, resolve_dtypes
 from ..core.mesh import MeshInfo
 from ..core.sharding import ShardLayout, contiguous_strides, shard_tensor, unshard_from_gathered
 from ..core.streams import backend_for
+from .api import MixedPrecisionPolicy
+from .extensions import AllGatherExtension, ParamFacts, defines_extension
 from .mesh import TensorParallelSpec, sharded_spec
 
 
@@ -103,8 +121,11 @@ class ShardedParam(PaddedShardMember):
         offload: bool = False,
         pin_memory: bool = False,
         param_dtype_override: torch.dtype | None = None,
+        mp_policy: MixedPrecisionPolicy | None = None,
     ) -> None:
         self.refs = refs
+        # The fully_shard call's policy: what an all-gather extension's pre hook is told.
+        self.mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
         # How messages name the parameter: its path under the module given to fully_shard,
         # until the root's lazy init sets its name under the root (``root_fqn``).
         self.name = name if name is not None else refs[0].name
@@ -120,6 +141,9 @@ class ShardedParam(PaddedShardMember):
         self._init_layout(param)
         self._init_dtypes_and_forms(param.dtype, param_dtype_override)
         self._init_shard(param, offload, pin_memory)
+        # Refuse a tensor with one extension hook of the two now; the hooks themselves are
+        # looked up at each unshard (see [Note: all-gather extensions]).
+        defines_extension(_local_tensor(self.sharded_param), self.description)
 
     def _init_layout(self, param: nn.Parameter) -> None:
         """Where this rank's rows are, and the spec the sharded DTensor carries."""
@@ -154,8 +178,8 @@ class ShardedParam(PaddedShardMember):
         self._unsharded_data: torch.Tensor | None = None
         # reshard_after_forward=k: this rank's block of ``gathered`` between fwd and bwd.
         self.post_forward_shard: torch.Tensor | None = None
-        # Gradient kept across backwards while gradient sync is off (in reduce dtype).
-        self.unsharded_accumulated_grad: torch.Tensor | None = None
+        # Set at the first unshard through the local tensor's extension hooks.
+        self.extension: AllGatherExtension | None = None
 
     def _init_shard(self, param: nn.Parameter, offload: bool, pin_memory: bool) -> None:
         """Cut this rank's padded shard out of ``param`` and register it as a DTensor."""
@@ -175,6 +199,8 @@ class ShardedParam(PaddedShardMember):
         self.sharded_param = nn.Parameter(
             self._to_dtensor(self._local_view()), requires_grad=param.requires_grad
         )
+        # nn.Parameter wraps a detached DTensor, which holds a local tensor of its own
+        self._installed_local = _local_tensor(self.sharded_param)
 
     # -- the sharded form ---------------------------------------------------------------
 
@@ -214,9 +240,8 @@ class ShardedParam(PaddedShardMember):
         """
         self._adopt_replacement(loading)
         local = _local_tensor(self.sharded_param)
-        if local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr():
-            if local.dtype == self.padded_shard.dtype and local.device == self.padded_shard.device:
-                return
+        if self._views_padded_shard(local):
+            return
         padded = local.new_zeros(self.layout.padded_shard_size)
         if local.device.type != "meta":
             padded.narrow(self.shard_dim, 0, self.layout.local_rows).copy_(local)
@@ -229,10 +254,32 @@ class ShardedParam(PaddedShardMember):
             )
         # A view of our padded buffer in place of the local tensor ``module.to(...)`` or
         # ``to_empty`` made: the parameter object stays the same.
-        torch_internals.set_dtensor_local(self.sharded_param, self._local_view())
+        self._installed_local = self._local_view()
+        torch_internals.set_dtensor_local(self.sharded_param, self._installed_local)
         self.gathered = None
         self.unsharded_param = None
         self._unsharded_data = None
+        self.extension = None
+
+    def _views_padded_shard(self, local: torch.Tensor) -> bool:
+        """Whether the sharded parameter's local tensor still is (a view of) ``padded_shard``,
+        so all-gathers read what the optimizer writes.
+
+        The tensor installed last always is. Another plain tensor is if it shares the
+        storage, dtype and device. A tensor subclass that wraps others (an fp8 or NF4
+        weight) has no storage of its own to compare, so for it only the installed tensor
+        counts: anything else is copied into a new padded buffer.
+        """
+        if local is self._installed_local:
+            return True
+        if type(local) is not torch.Tensor or type(self.padded_shard) is not torch.Tensor:
+            return False
+        padded = self.padded_shard
+        return (
+            local.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr()
+            and local.dtype == padded.dtype
+            and local.device == padded.device
+        )
 
     # [Note: replaced parameters]
     # A user may register a new parameter under a sharded one's name between fully_shard and
@@ -399,22 +446,65 @@ class ShardedParam(PaddedShardMember):
     def _forget_unsharded(self) -> None:
         self.unsharded_param = None
 
+    def all_gather_inputs(self) -> list[torch.Tensor]:
+        """The padded shard in the compute dtype, or what the local tensor's extension hook
+        hands over (see [Note: all-gather extensions])."""
+        local = _local_tensor(self.sharded_param)
+        if not defines_extension(local, self.description):
+            if self.extension is not None:  # the hooks went away: gather plainly again
+                self.extension = None
+                self.unsharded_param = None
+            return [self.all_gather_input()]
+        if self.extension is None:
+            self.extension = AllGatherExtension(self._extension_facts())
+            self.unsharded_param = None  # the post hook builds it from now on
+        if self.offload or local.device != self.device:  # rule 1: the compute device's copy
+            local = backend_for(self.device).to_device(local, self.device, non_blocking=True)
+        return self.extension.all_gather_inputs(local)
+
+    def _extension_facts(self) -> ParamFacts:
+        return ParamFacts(
+            description=self.description,
+            mesh_info=self.mesh_info,
+            outer_size=self.layout.global_size,
+            padded_shard_size=self.layout.padded_shard_size,
+            module=self.refs[0].module,
+            mp_policy=self.mp_policy,
+        )
+
+    def all_gather_outputs(self) -> list[torch.Tensor]:
+        if self.extension is not None:
+            return self.extension.output_buffers()
+        return [self.all_gather_output()]
+
     def keep_post_forward_shard(self, rank: int, world_size: int) -> None:
         """Keep this rank's ``1/world_size`` of ``gathered`` for a cheaper backward all-gather.
 
         With ``reshard_after_forward=k``, rank ``j`` of a ``k``-rank subgroup keeps the
         ``j``-th block of ``gathered``; gathering the blocks over the subgroup rebuilds it.
         """
-        assert self.gathered is not None
-        self.post_forward_shard = self.gathered.detach().chunk(world_size)[rank].clone()
+        gathered = self.gathered
+        if self.extension is not None:  # rule 4 of [Note: all-gather extensions]
+            gathered = self.extension.post_forward_source(self.fqn)
+        assert gathered is not None
+        self.post_forward_shard = gathered.detach().chunk(world_size)[rank].clone()
 
     def post_forward_all_gather_input(self) -> torch.Tensor:
+        if self.extension is not None:  # rule 4 of [Note: all-gather extensions]
+            raise NotImplementedError(
+                f"{self.description} gathers itself through fsdp_pre_all_gather, which cannot "
+                "run on the block an int reshard_after_forward kept after forward; use "
+                "reshard_after_forward=True or False for modules with such parameters"
+            )
         assert self.post_forward_shard is not None
         shard, self.post_forward_shard = self.post_forward_shard, None
         return shard
 
     def finish_unshard(self) -> None:
         """After copy-out: build (once) or refresh the unsharded parameter."""
+        if self.extension is not None:
+            self._finish_extension_unshard()
+            return
         assert self.gathered is not None
         if self.shard_dim != 0:
             full = unshard_from_gathered(self.gathered.data, self.layout)
@@ -428,24 +518,43 @@ class ShardedParam(PaddedShardMember):
             data = self._unsharded_data
             if data is None:
                 data = unshard_from_gathered(self.gathered, self.layout)
-            if self.tp_spec is not None:
-                data = DTensor.from_local(
-                    data,
-                    self.tp_spec.mesh,
-                    self.tp_spec.placements,
-                    run_check=False,
-                    shape=self.global_size,
-                    stride=contiguous_strides(self.global_size),
-                )
-            self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
+            self.unsharded_param = self._as_unsharded_param(data)
         if self.unsharded_param.requires_grad != self.requires_grad:
             self.unsharded_param.requires_grad_(self.requires_grad)
+
+    def _finish_extension_unshard(self) -> None:
+        """The post hook builds the unsharded parameter (first time) or refills it."""
+        assert self.extension is not None
+        local = _local_tensor(self.sharded_param)
+        if self.unsharded_param is None:
+            data = self.extension.build(local, self.compute_dtype)
+            self.unsharded_param = self._as_unsharded_param(data)
+        else:
+            self.extension.refill(local, self.compute_dtype, out=self.unsharded_param)
+        if self.unsharded_param.requires_grad != self.requires_grad:
+            self.unsharded_param.requires_grad_(self.requires_grad)
+
+    def _as_unsharded_param(self, data: torch.Tensor) -> nn.Parameter:
+        """``data`` (this rank's whole local parameter) as the parameter the module computes
+        with: a DTensor again for a tensor-parallel parameter."""
+        if self.tp_spec is not None:
+            data = DTensor.from_local(
+                data,
+                self.tp_spec.mesh,
+                self.tp_spec.placements,
+                run_check=False,
+                shape=self.global_size,
+                stride=contiguous_strides(self.global_size),
+            )
+        return nn.Parameter(data, requires_grad=self.requires_grad)
 
     def free_unsharded(self) -> None:
         """Release the unsharded storage; the tensor objects stay for the next unshard."""
         for tensor in (self.gathered, self._unsharded_data):
             if tensor is not None:
                 tensor.untyped_storage().resize_(0)
+        if self.extension is not None:
+            self.extension.free()
 
     @contextlib.contextmanager
     def in_orig_dtype(self) -> Iterator[None]:
@@ -493,8 +602,9 @@ class ShardedParam(PaddedShardMember):
     # -- gradients ----------------------------------------------------------------------
 
     def take_grad_for_reduce(self, zeros_if_unused: bool) -> torch.Tensor | None:
-        """Pop this backward's gradient, laid out so dim 0 splits into the rank chunks."""
-        grad = self._take_unsharded_grad()
+        """Pop the unsharded gradient (this backward's, plus any pending from backwards with
+        sync off), laid out so dim 0 splits into the rank chunks."""
+        grad = self._pop_unsharded_grad()
         if grad is None and zeros_if_unused:
             size, dtype = self.layout.global_size, self.compute_dtype
             grad = torch.zeros(size, dtype=dtype, device=self.device)
@@ -508,11 +618,25 @@ class ShardedParam(PaddedShardMember):
         )
 
     def _pop_unsharded_grad(self) -> torch.Tensor | None:
-        if self.unsharded_param is None or self.unsharded_param.grad is None:
+        param = self.unsharded_param
+        if param is None or param.grad is None:
             return None
         grad = self._local_unsharded_grad()
-        self.unsharded_param.grad = None
+        self.discard_grads()
         return grad
+
+    def keep_unsharded_grad(self) -> None:
+        """Gradient sync is off: leave the gradient on the unsharded parameter, in the
+        reduce dtype (see [Note: the pending gradient])."""
+        param = self.unsharded_param
+        if param is None or param.grad is None:
+            return
+        grad = param.grad
+        dtype = self.reduce_dtype or grad.dtype
+        if grad.dtype != dtype:
+            param.grad = None  # torch lets grad_dtype change only with no gradient there
+            param.grad_dtype = dtype
+            param.grad = grad.to(dtype)
 
     def _local_unsharded_grad(self) -> torch.Tensor:
         """The unsharded gradient as a plain tensor: for TP, in the parameter's own layout.
@@ -559,9 +683,12 @@ class ShardedParam(PaddedShardMember):
         return in_flight
 
     def discard_grads(self) -> None:
-        if self.unsharded_param is not None:
-            self.unsharded_param.grad = None
-        self.unsharded_accumulated_grad = None
+        param = self.unsharded_param
+        if param is None:
+            return
+        param.grad = None
+        if param.grad_dtype != param.dtype:  # see [Note: the pending gradient]
+            param.grad_dtype = param.dtype
 
 
 def _check_shardable(

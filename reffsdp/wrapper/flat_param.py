@@ -480,6 +480,17 @@ class FlatParamHandle(PaddedShardMember):
             grad, self.unsharded.grad = self.unsharded.grad, None
         return grad
 
+    def _take_unsharded_grad(self) -> torch.Tensor | None:
+        """Pop this backward's gradient plus the one kept while sync was off (``None``:
+        neither)."""
+        grad = self._pop_unsharded_grad()
+        kept, self.unsharded_accumulated_grad = self.unsharded_accumulated_grad, None
+        if kept is None:
+            return grad
+        if grad is not None:
+            kept += grad
+        return kept
+
     def take_grad_for_reduce(self, zeros_if_unused: bool) -> torch.Tensor | None:
         self._hide_kept_grad()
         grad = self._take_unsharded_grad()
@@ -490,14 +501,17 @@ class FlatParamHandle(PaddedShardMember):
         # (ceil(total_numel / world_size)) elements: no padded copy is needed here.
         return grad
 
-    def _kept_grad_dtype(self, grad: torch.Tensor) -> torch.dtype:
-        # torch's wrapper leaves the kept gradient in the dtype backward made it in (the
-        # param dtype under mixed precision) and casts only for the reduction.
-        return grad.dtype
-
     def keep_unsharded_grad(self) -> None:
+        """Add this backward's gradient to the kept one and show it (see [Note: gradients
+        kept while sync is off]). It stays in the dtype backward made it in (the param dtype
+        under mixed precision), as torch's wrapper keeps it: cast only for the reduction."""
         self._hide_kept_grad()
-        super().keep_unsharded_grad()
+        grad = self._pop_unsharded_grad()
+        if grad is not None:
+            if self.unsharded_accumulated_grad is None:
+                self.unsharded_accumulated_grad = grad.clone()
+            else:
+                self.unsharded_accumulated_grad += grad
         self._show_kept_grad()
 
     def _show_kept_grad(self) -> None:

@@ -37,12 +37,14 @@ from reffsdp.bench.stream_traces import write_stream_traces
 from reffsdp.core import collectives, comms, streams
 from reffsdp.core.param_group import ParamGroup
 from reffsdp.core.runtime import CommContext
+from reffsdp.core.torch_internals import dtensor_local
 from reffsdp.testing import logical_streams
 from reffsdp.testing.logical_streams import StreamObserver, current_rank, start_trace
 from reffsdp.testing.models import MLP, MLPBlocks, init_deterministic
 from reffsdp.testing.multithread import run_threaded
 from reffsdp.testing.stream_checker import RULES
 from reffsdp.wrap import ModuleWrapPolicy
+from tests.multithread.extension_tensors import Int8RowsGathered, log, wrap_weights
 
 pytestmark = [pytest.mark.streams, pytest.mark.multithread]
 pytest_plugins = ["reffsdp.testing.pytest_plugin"]
@@ -122,6 +124,11 @@ CONFIGS: dict[str, Config] = {
         lambda m: _fully_shard(m, offload_policy=CPUOffloadPolicy()), microbatches=2
     ),
     "fully_shard/load-state-dict": Config(_fully_shard, reload=True),
+    # weights that gather themselves (int8 rows and fp32 scales: see extension_tensors)
+    "fully_shard/extension": Config(lambda m: _fully_shard(wrap_weights(m, Int8RowsGathered))),
+    "fully_shard/extension-offload": Config(
+        lambda m: _fully_shard(wrap_weights(m, Int8RowsGathered), offload_policy=CPUOffloadPolicy())
+    ),
     "fully_shard/hsdp": Config(lambda m: _fully_shard(m, (2, 2)), world_size=4),
     "fully_shard/hsdp-prefetch-no-sync": Config(
         lambda m: _prefetching(_fully_shard(m, (2, 2))), world_size=4, microbatches=2
@@ -521,3 +528,21 @@ def test_a_run_takes_the_cuda_branch_and_computes_the_same():
             ("compute", "all-gather"),  # rule 2
         } <= seen[rank].waits
     assert streams.backend_for(CPU) is streams.HOST  # taken out again
+
+
+def test_offloaded_extension_hook_gets_the_compute_device_copy(simulated_streams, thread_world):
+    # With host memory of its own (simulated streams), an offloaded shard is copied to the
+    # compute device for each all-gather, and the pre hook runs on that copy (rule 1 of
+    # [Note: all-gather extensions]), never on the host shard the optimizer updates.
+    def run(rank: int) -> None:
+        model = CONFIGS["fully_shard/extension-offload"].build(
+            init_deterministic(MLPBlocks(DIM, (2, 3)))
+        )
+        log().clear()
+        model(torch.ones(4, DIM)).sum().backward()
+        host_locals = {id(dtensor_local(param)) for param in model.parameters()}
+        seen = [facts["self"] for hook, facts in log() if hook == "pre"]
+        assert seen and not any(id(local) in host_locals for local in seen)
+        assert all(local.device == torch.device("cpu") for local in seen)
+
+    thread_world(run, world_size=2)
