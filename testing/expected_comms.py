@@ -30,6 +30,15 @@ its shard, so the expectation needs no process group. Example: a ``15 x 5`` fp32
 4 ranks gathers ``16 * 5 * 4 = 320`` bytes; as a
 :class:`~reffsdp.testing.low_precision.Float8GatherWeight`, fp8 data and an fp32 scale per
 row, ``16 * 5 + 16 * 4 = 144``. Its gradient is reduced in fp32 as before.
+
+Such a parameter that some ranks pad costs reffsdp one more collective, once: at its first
+unshard the shard group checks that every rank's inputs have the same size, in an
+all-gather of two int64 per rank (rule 2 of [Note: all-gather extensions] in
+``reffsdp/per_param/extensions.py``), so that a rank whose hook got the padding wrong fails
+every rank instead of leaving the others waiting in the real all-gather. torch checks on
+the padded rank alone. A unit counts these as ``handshakes``; :func:`expected_per_step`
+spreads them over a run's steps when told how many there are, and leaves them out of a
+steady-state step.
 """
 
 from __future__ import annotations
@@ -79,6 +88,9 @@ class CommUnit:
     # All-gather output bytes when a member's tensor takes over its all-gather (see the
     # module note); None: gather_numel * gather_itemsize.
     gather_nbytes: int | None = None
+    # One-time all-gathers of two int64 per rank at the first unshard: one per member that
+    # takes over its all-gather and that some ranks pad (see the module note).
+    handshakes: int = 0
 
     @property
     def gathered_bytes(self) -> int:
@@ -113,13 +125,24 @@ def ring_bytes(nbytes: int | Fraction, group_size: int) -> Fraction:
 
 
 def expected_per_step(
-    units: Iterable[CommUnit], shape: StepShape
+    units: Iterable[CommUnit], shape: StepShape, *, steps: int | None = None, builds: int = 1
 ) -> tuple[dict[str, float], Fraction]:
-    """``(counts per step, minimum bytes sent per rank per step)``; see the module note."""
+    """``(counts per step, minimum bytes sent per rank per step)``; see the module note.
+
+    With ``steps``, the per-step average of a run of that many steps, which adds the
+    units' one-time handshakes of each of ``builds`` models (a state-dict scenario trains a
+    second, reloaded one); without, one steady-state step.
+    """
+    units = list(units)
     counts: Counter[str] = Counter()
     nbytes = Fraction(0)
     s, r, m = shape.shard_size, shape.replicate_size, shape.num_microbatches
     reduces = m if shape.sync_every_microbatch else 1
+    handshakes = sum(unit.handshakes for unit in units) if steps is not None and s > 1 else 0
+    if handshakes:
+        share = Fraction(handshakes * builds, steps)
+        counts[ALL_GATHER] += share
+        nbytes += share * ring_bytes(2 * 8 * s, s)  # two int64 from each of s ranks
     for unit in units:
         if unit.gather_numel == 0:
             continue
@@ -223,6 +246,7 @@ def fully_shard_units(
                 reduce_itemsize=reduce_as.itemsize,
                 reshard_after_forward=rf,
                 gather_nbytes=gather_nbytes,
+                handshakes=sum(_needs_handshake(p, shard_size) for p in params),
             )
         )
     return units
@@ -270,6 +294,13 @@ def _gather_nbytes(
     if hasattr(local, "fsdp_pre_all_gather"):
         return extension_gather_nbytes(local, shard_size, owner, policy)
     return padded_numel(local.shape, shard_size) * gather_dtype.itemsize
+
+
+def _needs_handshake(param: torch.Tensor, shard_size: int) -> bool:
+    """Whether ``param`` takes over its all-gather and some ranks pad it (module note)."""
+    shape = _local_shape(param)
+    padded = bool(shape) and shape[0] % shard_size != 0
+    return padded and hasattr(_local(param), "fsdp_pre_all_gather")
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -164,8 +164,8 @@ def test_one_rank_runs_the_1d_scenarios():
 def _off_by_one(key):
     real = suite_rank.expected_per_step
 
-    def expected(units, shape):
-        counts, nbytes = real(units, shape)
+    def expected(units, shape, **kwargs):
+        counts, nbytes = real(units, shape, **kwargs)
         if key == "bytes":
             return counts, nbytes + 1
         return {**counts, key: counts[key] + 1}, nbytes

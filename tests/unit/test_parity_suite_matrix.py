@@ -197,10 +197,28 @@ def test_fully_shard_units_count_what_the_all_gather_hooks_send(hook_arguments):
         392,
     ]
     for before, after in zip(fp32, fp8):  # elements and the fp32 reduction as before
-        assert dataclasses.replace(after, gather_nbytes=None) == before
+        assert dataclasses.replace(after, gather_nbytes=None, handshakes=0) == before
     counts, nbytes = expected_per_step(fp8, StepShape(4))
     fp32_counts, fp32_nbytes = expected_per_step(fp32, StepShape(4))
     assert counts == fp32_counts
     # each unit gathered twice (resharded after forward) and reduced once, 3/4 of it sent
     gathered, reduced = sum(u.gathered_bytes for u in fp8), 4 * sum(u.reduce_numel for u in fp8)
     assert nbytes == Fraction(3, 4) * (2 * gathered + reduced) < fp32_nbytes
+
+
+def test_a_run_spreads_the_one_time_size_handshakes_of_padded_hook_parameters():
+    model = MLPStack(5)
+    to_float8_gather(model)
+    units = fully_shard_units([*model, model], 4)
+    # the 15- and 5-row weights pad on 4 ranks, the 20-row one does not; biases are plain
+    assert [u.handshakes for u in units] == [2, 1, 2]
+    plain = MLPStack(5)
+    assert [u.handshakes for u in fully_shard_units([*plain, plain], 4)] == [0, 0, 0]
+    steady, steady_bytes = expected_per_step(units, StepShape(4))
+    run, run_bytes = expected_per_step(units, StepShape(4), steps=3)
+    assert run["all_gather"] == steady["all_gather"] + 5 / 3
+    assert run_bytes == steady_bytes + Fraction(5, 3) * 2 * 8 * 3  # 2 int64 to 3 peers each
+    reloaded, _ = expected_per_step(units, StepShape(4), steps=3, builds=2)
+    assert reloaded["all_gather"] == steady["all_gather"] + 10 / 3
+    one_rank, _ = expected_per_step(units, StepShape(1), steps=3)
+    assert one_rank["all_gather"] == 0.0  # nothing to gather, nothing to agree on
