@@ -5,8 +5,8 @@ The runs under torch's ``fully_shard`` check the subclass and its reference on t
 both hook forms, 2 and 4 ranks, 1-D and HSDP meshes; a reference without quantization
 fails (so a gather that skipped the hooks would be seen), and so does a post-all-gather
 hook that ignores ``out=``. The same runs under reffsdp's ``fully_shard`` (ids ending in
-``reffsdp``) need reffsdp to honour the all-gather extension contract (``fsdp_pre_all_gather``
-/ ``fsdp_post_all_gather``); until it does they fail, by design, and are not marked xfail.
+``reffsdp``) hold it to the all-gather extension contract (``fsdp_pre_all_gather`` /
+``fsdp_post_all_gather``).
 """
 
 from __future__ import annotations
