@@ -119,6 +119,7 @@ _TEST_EXTRA_USES = {
     "pytest-timeout": ("tests", "pytest.mark.timeout("),
     "coverage": ("tox.ini", "python -m coverage run"),
     "setuptools": ("tests/unit/test_packaging.py", '"--no-build-isolation"'),  # builds with it
+    "parameterized": ("tests", "@parameterized.expand("),
 }
 
 
