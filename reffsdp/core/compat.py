@@ -26,6 +26,11 @@ entry names the releases on each side.
  6    the C++ ``FakeProcessGroup``'s reduce-scatter writes this rank's   --       2.13
       chunk of the input to the output (before, the output is left as
       it was)
+ 7    torch's own ``fully_shard`` takes per-parameter meshes             --       2.12
+      (``shard_placement_fn`` returning a ``ShardPlacementResult``) and
+      SPMD meshes (``dp_mesh_dims``), and its ``FSDPModule`` has
+      ``set_symm_mem_for_comm``; reffsdp offers all three on every
+      release, so only tests that compare with torch's depend on it
 ====  =================================================================  =======  =======
 
 The tests import :data:`TORCH_VERSION` to compare with the installed torch's own behaviour.
@@ -189,3 +194,13 @@ def fully_shard_default_reduce_dtype(
 
 FAKE_REDUCE_SCATTER_WRITES_OUTPUT = TORCH_VERSION >= (2, 13)
 """Whether the fake group's reduce-scatter fills its output (entry 6); it never reduces."""
+
+
+# 7. What torch's own fully_shard offers. -----------------------------------------------------
+
+TORCH_FULLY_SHARD_HAS_PER_PARAM_MESHES = TORCH_VERSION >= (2, 12)
+"""Whether torch's ``fully_shard`` accepts a ``ShardPlacementResult`` from
+``shard_placement_fn``, takes ``dp_mesh_dims`` and has ``set_symm_mem_for_comm`` (entry 7).
+
+reffsdp does all three on every release; tests that compare with torch's own run only where
+this is true."""

@@ -165,11 +165,16 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
             nn.ModuleDict.forward,
         ):
             raise ValueError(
-                f"fully_shard does not support {type(m).__name__} containers, which have no "
-                "forward; shard each child or the module that calls them"
+                "fully_shard does not support containers that do not implement forward: "
+                f"{type(m).__name__} has no forward of its own; shard each child or the module "
+                "that calls them"
             )
         if state_of(m) is not None:
-            raise AssertionError(f"fully_shard was already applied to {type(m).__name__}")
+            raise AssertionError(
+                f"fully_shard has already been applied to {type(m).__name__}: fully_shard can "
+                "only be applied to a module once; to change its settings, use the "
+                "FSDPModule setters (e.g. set_reshard_after_forward)"
+            )
 
 
 def _resolve_reshard_after_forward(
@@ -182,8 +187,8 @@ def _resolve_reshard_after_forward(
         raise ValueError(f"reshard_after_forward must be a bool or int, got {value!r}")
     if mesh_info.spmd is not None:
         raise NotImplementedError(
-            f"reshard_after_forward={value}: an int is not supported with dp_mesh_dims; "
-            "pass True or False"
+            "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims): "
+            f"got reshard_after_forward={value}; pass True or False"
         )
     shard_size = mesh_info.shard_size
     if value < 1 or value > shard_size or shard_size % value != 0:
@@ -303,8 +308,8 @@ def _shard_dim(shard_placement_fn, param: nn.Parameter, name: str, owner: str) -
         return 0
     if not isinstance(placement, Shard):
         raise ValueError(
-            f"shard_placement_fn must return None or a Shard placement, got {placement!r} "
-            f"for parameter {name!r} ({owner})"
+            f"Invalid shard_placement_fn result: {placement!r} for parameter {name!r} "
+            f"({owner}); shard_placement_fn must return None or a Shard placement"
         )
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
     if not 0 <= dim < param.dim():
@@ -330,7 +335,11 @@ def _swap_class(module: nn.Module) -> None:
     if fsdp_cls is None:
 
         def __deepcopy__(self, memo):  # noqa: N807
-            raise AssertionError("copy.deepcopy of a fully_shard module is not supported")
+            raise AssertionError(
+                "FSDP does not support deepcopy: copy.deepcopy of a fully_shard module would "
+                "copy its sharded parameters without their state. Please use state dict for "
+                "serialization (state_dict() / load_state_dict() into a fresh sharded module)"
+            )
 
         fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": __deepcopy__})
         _fsdp_classes[cls] = fsdp_cls
