@@ -77,8 +77,9 @@ class FSDPModule:
         return state
 
     def _groups(self) -> list[ParamGroup]:
-        group = self._get_fsdp_state().group
-        return [group] if group is not None else []
+        """This module's groups: one per mesh (see [Note: per-parameter meshes] in
+        ``placement``), none without parameters of its own."""
+        return list(self._get_fsdp_state().groups)
 
     def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
         if not recurse:
@@ -256,7 +257,7 @@ class FSDPModule:
         ``stream`` is where the hook runs; with native HSDP (a 2D mesh) it runs where the
         all-reduce did, so a stream cannot be given (the message is torch's, word for word).
         """
-        groups = self._groups()
+        groups = self._refuse_several_groups("set_all_reduce_hook")
         if stream is not None and any(g.mesh_info.is_hsdp for g in groups):
             raise ValueError("stream cannot be set when using native HSDP")
         self._configure(False, all_reduce_hook=hook, all_reduce_hook_stream=stream)
@@ -317,10 +318,27 @@ class FSDPModule:
         raise NotImplementedError("reffsdp does not implement symmetric-memory collectives")
 
     def _single_group(self, method: str) -> ParamGroup:
-        groups = self._groups()
-        if len(groups) != 1:
-            raise ValueError(f"{method} needs a module with exactly one parameter group")
+        """The module's one group, for a setting that names one communication. Several are
+        refused as by torch; none too (torch ignores the setting then)."""
+        groups = self._refuse_several_groups(method)
+        if not groups:
+            raise ValueError(
+                f"{method} needs a module with exactly one parameter group, but "
+                f"{type(self).__name__} has no parameters of its own"
+            )
         return groups[0]
+
+    def _refuse_several_groups(self, method: str) -> list[ParamGroup]:
+        """This module's groups, unless there are several (rule 5 of [Note: per-parameter
+        meshes] in ``placement``)."""
+        groups = self._groups()
+        if len(groups) > 1:
+            raise ValueError(
+                f"{method} is not supported with multiple param groups (from per-param mesh "
+                f"via shard_placement_fn): {type(self).__name__} has {len(groups)}, one per "
+                "mesh, and one communication would be ambiguous across their meshes"
+            )
+        return groups
 
     # -- prefetching --------------------------------------------------------------------
 

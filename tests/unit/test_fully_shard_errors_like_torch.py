@@ -15,18 +15,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from reffsdp import DataParallelMeshDims, fully_shard
 from reffsdp.core.compat import TORCH_FULLY_SHARD_HAS_PER_PARAM_MESHES
-
-needs_torch_dp_mesh_dims = pytest.mark.skipif(
-    not TORCH_FULLY_SHARD_HAS_PER_PARAM_MESHES,
-    reason="torch's own fully_shard has no dp_mesh_dims before 2.12 (compat entry 7)",
-)
 
 
 def raised(call: Callable[[], Any]) -> BaseException:
@@ -240,3 +236,163 @@ def test_int_reshard_after_forward_with_dp_mesh_dims(dp_tp):
             "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)",
             reshard_after_forward=value,
         )
+
+
+# -- per-parameter meshes (placement results) ----------------------------------------------
+
+
+needs_torch_placement_results = pytest.mark.skipif(
+    not TORCH_FULLY_SHARD_HAS_PER_PARAM_MESHES,
+    reason="torch's fully_shard has no ShardPlacementResult before 2.12 (compat entry 7)",
+)
+
+
+def torch_common() -> Any:
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    return _fsdp_common
+
+
+class Experts(nn.Module):
+    """A shared linear layer and a stacked expert weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.experts = nn.Parameter(torch.randn(4, 4, 4))
+
+    def forward(self, x):
+        return self.shared(x) + self.experts.sum(0)[0]
+
+
+def experts_on(result_for_experts: Callable[[], Any]) -> Callable[[nn.Parameter], Any]:
+    """A placement function putting ``Experts.experts`` where ``result_for_experts()`` says."""
+    return lambda param: result_for_experts() if param.dim() == 3 else None
+
+
+def check_placement_like_torch(mesh, result: Callable[[], Any], error, phrase, **kwargs):
+    def shard_with(shard):
+        return lambda: shard(Experts(), mesh=mesh, shard_placement_fn=experts_on(result), **kwargs)
+
+    check_like_torch(error, phrase, shard_with(fully_shard), shard_with(torch_fully_shard))
+
+
+@pytest.fixture
+def rep_ep(mesh) -> DeviceMesh:
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "ep"))
+
+
+@needs_torch_placement_results
+def test_placement_result_with_a_placement_other_than_shard(mesh, rep_ep):
+    common = torch_common()
+    ep = common.FSDPMeshInfo(rep_ep["ep"], shard_mesh_dim=0)
+    result = lambda: common.ShardPlacementResult(Replicate(), ep)  # noqa: E731
+    check_placement_like_torch(mesh, result, AttributeError, "")
+    mine = raised(lambda: fully_shard(Experts(), mesh=mesh, shard_placement_fn=experts_on(result)))
+    assert isinstance(mine, ValueError) and "must be None or a Shard" in str(mine)
+
+
+@needs_torch_placement_results
+@pytest.mark.parametrize("what", ["a DeviceMesh", "a DDPMeshInfo"])
+def test_placement_result_without_a_shard_dim(mesh, rep_ep, what):
+    """torch reads ``shard_process_group`` off what it was given: ``AttributeError``."""
+    common = torch_common()
+    if what == "a DeviceMesh":
+        description = rep_ep["ep"]
+    else:
+        description = common.DDPMeshInfo(rep_ep["rep"], replicate_mesh_dim=0)
+    result = lambda: common.ShardPlacementResult(Shard(0), description)  # noqa: E731
+    check_placement_like_torch(mesh, result, AttributeError, "")
+    mine = raised(lambda: fully_shard(Experts(), mesh=mesh, shard_placement_fn=experts_on(result)))
+    assert isinstance(mine, ValueError) and "must describe a DeviceMesh to shard over" in str(mine)
+
+
+@needs_torch_placement_results
+def test_one_mesh_description_per_process_group(mesh, rep_ep):
+    """Rule 2: a second description of the experts' mesh, or one restating fully_shard's."""
+    common = torch_common()
+    for description in (
+        lambda: common.FSDPMeshInfo(rep_ep["ep"], shard_mesh_dim=0),  # a new one per call
+        lambda: common.FSDPMeshInfo(mesh, shard_mesh_dim=0),
+    ):
+
+        def place(param: nn.Parameter, description=description):
+            return common.ShardPlacementResult(Shard(0), description()) if param.dim() else None
+
+        def shard_with(shard, place=place):
+            module = nn.Module()
+            module.a, module.b = nn.Parameter(torch.randn(4, 2)), nn.Parameter(torch.randn(4))
+            module.forward = lambda x: x
+            return lambda: shard(module, mesh=mesh, shard_placement_fn=place)
+
+        check_like_torch(
+            ValueError,
+            "Params sharing the same process group must use the same FSDPMeshInfo object",
+            shard_with(fully_shard),
+            shard_with(torch_fully_shard),
+        )
+
+
+@needs_torch_placement_results
+def test_shard_dim_out_of_range_on_a_mesh_of_its_own(mesh, rep_ep):
+    common = torch_common()
+    ep = common.FSDPMeshInfo(rep_ep["ep"], shard_mesh_dim=0)
+    result = lambda: common.ShardPlacementResult(Shard(3), ep)  # noqa: E731
+    check_placement_like_torch(mesh, result, AssertionError, "Shard dim 3 is invalid for 3D tensor")
+
+
+@needs_torch_placement_results
+def test_int_reshard_after_forward_must_divide_every_group(mesh, rep_ep):
+    """Rule 3: 4 divides the 4-rank mesh but not the experts' 2 ranks."""
+    common = torch_common()
+    ep = common.FSDPMeshInfo(rep_ep["ep"], shard_mesh_dim=0)
+    result = lambda: common.ShardPlacementResult(Shard(0), ep)  # noqa: E731
+    check_placement_like_torch(
+        mesh, result, ValueError, "", reshard_after_forward=4
+    )  # torch: "should be a factor of 2, not 4"
+    mine = raised(
+        lambda: fully_shard(
+            Experts(), mesh=mesh, shard_placement_fn=experts_on(result), reshard_after_forward=4
+        )
+    )
+    assert "reshard_after_forward=4 must divide the shard size 2" in str(mine)
+
+
+@needs_torch_placement_results
+def test_no_placement_function_with_replicate_only_dp_mesh_dims(dp_tp):
+    check_dp_mesh_dims_like_torch(
+        dp_tp,
+        dict(replicate="dp"),
+        ValueError,
+        "Per-param mesh via shard_placement_fn is not supported with DDPMeshInfo",
+        shard_placement_fn=lambda param: None,
+    )
+
+
+def test_placement_result_of_any_object_of_that_shape(mesh, rep_ep):
+    """On every torch: reffsdp reads the four fields, whatever the type."""
+
+    class Info:
+        def __init__(self, mesh, shard_mesh_dim, replicate_mesh_dim=None):
+            self.mesh, self.shard_mesh_dim = mesh, shard_mesh_dim
+            self.replicate_mesh_dim = replicate_mesh_dim
+
+    class Result:
+        def __init__(self, placement, mesh_info):
+            self.placement, self.mesh_info = placement, mesh_info
+
+    ep, hsdp = Info(rep_ep["ep"], 0), Info(rep_ep, 1, 0)
+    for info, placements in ((ep, (Shard(1),)), (hsdp, (Replicate(), Shard(1)))):
+        result = lambda info=info: Result(Shard(1), info)  # noqa: E731
+        module = fully_shard(Experts(), mesh=mesh, shard_placement_fn=experts_on(result))
+        assert module.experts.placements == placements
+        assert module.experts.device_mesh == info.mesh
+        assert module.shared.weight.device_mesh == mesh
+        assert [len(g.members) for g in module._get_fsdp_state().groups] == [2, 1]
+
+    class SpmdInfo(Info):
+        dp_mesh_dims = "dp"
+
+    result = lambda: Result(None, SpmdInfo(rep_ep["ep"], 0))  # noqa: E731
+    with pytest.raises(NotImplementedError, match="with dp_mesh_dims"):
+        fully_shard(Experts(), mesh=mesh, shard_placement_fn=experts_on(result))
