@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..core import comms
 from ..core.param_group import ParamGroup
 from ..core.runtime import CommContext
-from . import finalization
+from . import finalization, symm_mem
 from .state import AsyncFinalization, FSDPState, state_of
 
 
@@ -304,18 +304,34 @@ class FSDPModule:
                 )
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Accepted for compatibility: buffers always come from the caching allocator."""
+        """Accepted for compatibility: buffers always come from the caching allocator. It is
+        remembered, as it rules out ``set_symm_mem_for_comm`` while on (as in torch)."""
         _check_bool("set_allocate_memory_from_process_group_for_comm", enable=enable)
         for group in self._groups():
             settings = group.settings
-            if settings.all_gather_comm is not None or settings.reduce_scatter_comm is not None:
-                raise AssertionError(
-                    "set_allocate_memory_from_process_group_for_comm cannot be combined with "
-                    "a custom all-gather or reduce-scatter"
-                )
+            for kind, comm in (
+                ("all gather", settings.all_gather_comm),
+                ("reduce scatter", settings.reduce_scatter_comm),
+            ):
+                if comm is not None:
+                    raise AssertionError(
+                        "cannot call set_allocate_memory_from_process_group() when "
+                        f"{kind} comm is custom: {type(comm).__name__}; "
+                        "set_allocate_memory_from_process_group_for_comm cannot be combined "
+                        "with a custom all-gather or reduce-scatter, or symmetric memory"
+                    )
+        self._get_fsdp_state().allocating_from_process_group = enable
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        raise NotImplementedError("reffsdp does not implement symmetric-memory collectives")
+        """All-gather this module's parameters into buffers of symmetric memory from
+        ``backend`` (torch's symmetric memory), for NCCL's copy-engine or symmetric-kernel
+        all-gathers; see [Note: symmetric memory] in ``reffsdp/per_param/symm_mem.py`` for
+        what is checked, and what happens on a CPU mesh or a build without the backend."""
+        symm_mem.use_for_all_gathers(
+            self._groups(),
+            backend,
+            allocating_from_process_group=self._get_fsdp_state().allocating_from_process_group,
+        )
 
     def _single_group(self, method: str) -> ParamGroup:
         """The module's one group, for a setting that names one communication. Several are

@@ -105,6 +105,9 @@ class FSDPState(IterationDriver):
         self.modules = modules
         self.mp_policy = mp_policy
         self.auto_reshard_root = auto_reshard_root
+        # set_allocate_memory_from_process_group_for_comm(True), which rules out symmetric
+        # memory (see [Note: symmetric memory] in symm_mem).
+        self.allocating_from_process_group = False
         # Set by share_comm_ctx before lazy init: the context this root adopts.
         self.shared_comm_ctx: RootCommContext | None = None
         self.forward_prefetch: list[FSDPState] = []
