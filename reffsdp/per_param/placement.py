@@ -19,10 +19,11 @@ an object with ``placement`` and ``mesh_info`` attributes, whose ``mesh_info.mes
 ``replicate_mesh_dim`` (``None`` or missing: FSDP; an int: HSDP). It reads those four fields
 and nothing else, and builds its own :class:`~reffsdp.core.mesh.MeshInfo` from them; any
 object of that shape will do, on every torch. Anything else is refused: not result-shaped,
-``ValueError`` ("Invalid shard_placement_fn result", as torch); result-shaped but with a
-placement that is no ``Shard`` or a mesh description without a mesh or shard dim (torch's
-``DDPMeshInfo``), :class:`PlacementResultError`; an SPMD description (``dp_mesh_dims`` set),
-``NotImplementedError``.
+"Invalid shard_placement_fn result" (torch's words from 2.12); result-shaped but with a
+placement that is no ``Shard``, or with a mesh description without a mesh or a shard dim
+(torch's ``DDPMeshInfo``), a message saying which. All three are a :class:`ShardPlacementError`,
+a ``ValueError`` and the ``AttributeError`` torch raises for most of them. An SPMD
+description (``dp_mesh_dims`` set) is a ``NotImplementedError``.
 
 The rules, torch's:
 
@@ -64,10 +65,11 @@ class ShardDimError(ValueError, AssertionError):
     against either type catches it."""
 
 
-class PlacementResultError(ValueError, AttributeError):
-    """A placement result reffsdp cannot read (see [Note: per-parameter meshes]). A bad
-    argument, so a ``ValueError``; torch's ``fully_shard`` fails reading the missing field
-    with an ``AttributeError``, so it is one too."""
+class ShardPlacementError(ValueError, AttributeError):
+    """A ``shard_placement_fn`` result reffsdp cannot use (see [Note: per-parameter
+    meshes]). A bad argument, so a ``ValueError``; torch's ``fully_shard`` fails on such
+    results reading a field they lack (a placement's ``dim`` before 2.12, a mesh
+    description's process group) with an ``AttributeError``, so it is one too."""
 
 
 @dataclass(frozen=True)
@@ -124,14 +126,14 @@ def resolve_placement(
     if isinstance(result, Shard):
         return ParamPlacement(shard_dim(result, param, name, owner), meshes.default)
     if not (hasattr(result, "placement") and hasattr(result, "mesh_info")):
-        raise ValueError(
+        raise ShardPlacementError(
             f"Invalid shard_placement_fn result: {result!r} for parameter {name!r} ({owner}); "
             "shard_placement_fn must return None, a Shard placement, or a placement result "
             "(torch's ShardPlacementResult(placement, mesh_info))"
         )
     placement = result.placement
     if placement is not None and not isinstance(placement, Shard):
-        raise PlacementResultError(
+        raise ShardPlacementError(
             f"shard_placement_fn returned the placement {placement!r} for parameter {name!r} "
             f"({owner}); a placement result's placement must be None or a Shard"
         )
@@ -176,7 +178,7 @@ def _read_mesh_description(description: Any) -> MeshInfo:
     shard = getattr(description, "shard_mesh_dim", None)
     replicate = getattr(description, "replicate_mesh_dim", None)
     if not isinstance(mesh, DeviceMesh) or not _is_dim(shard) or not _is_dim(replicate, True):
-        raise PlacementResultError(
+        raise ShardPlacementError(
             f"a placement result's mesh_info must describe a DeviceMesh to shard over, as "
             "torch's FSDPMeshInfo(mesh, shard_mesh_dim=0) or HSDPMeshInfo(mesh, "
             "shard_mesh_dim=1, replicate_mesh_dim=0) do (attributes mesh, shard_mesh_dim and "

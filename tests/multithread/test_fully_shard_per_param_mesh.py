@@ -18,6 +18,7 @@ the same shape, and is checked against what the mesh layout implies.
 from __future__ import annotations
 
 import copy
+import unittest
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,10 @@ from reffsdp.testing.comm_counter import CommCounter
 from reffsdp.testing.multithread import FSDPTestMultiThread
 
 pytestmark = pytest.mark.multithread
+needs_torch_per_param_meshes = unittest.skipUnless(
+    TORCH_FULLY_SHARD_HAS_PER_PARAM_MESHES,
+    "torch's fully_shard has no per-parameter meshes before 2.12 (compat entry 7)",
+)
 
 AG, RS, AR = Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_REDUCE
 DIM, HIDDEN, EXPERTS, BLOCKS = 8, 12, 4, 2
@@ -160,9 +165,8 @@ class TestPerParamMeshes(FSDPTestMultiThread):
     def _experts(self, rep_ep: DeviceMesh, hsdp: bool, placement: Shard | None = SHARD_0):
         return placement_result(placement, rep_ep if hsdp else rep_ep["ep"], hsdp)
 
+    @needs_torch_per_param_meshes
     def test_training_matches_torch(self):
-        if not TORCH_FULLY_SHARD_HAS_PER_PARAM_MESHES:
-            pytest.skip("torch's fully_shard has no per-parameter meshes before 2.12")
         self.run_subtests(
             {"hsdp": [False, True], "reshard_after_forward": [True, False, None, 2]},
             self._check_training_matches_torch,
@@ -293,17 +297,13 @@ SETTINGS: dict[str, tuple[Callable[[MoE, int], None], bool]] = {
 }
 
 
+@needs_torch_per_param_meshes
 class TestEveryGroupLikeTorch(FSDPTestMultiThread):
     """Settings, prefetching and mixed precision reach every group of a call, as in torch."""
 
     @property
     def world_size(self) -> int:
         return 4
-
-    def setUp(self) -> None:
-        super().setUp()
-        if not TORCH_FULLY_SHARD_HAS_PER_PARAM_MESHES:
-            self.skipTest("torch's fully_shard has no per-parameter meshes before 2.12")
 
     def _compare(self, before_step=None, hsdp: bool = False, **kwargs: Any) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy

@@ -13,6 +13,7 @@ rendezvous before each gather) is checked here with a recording stand-in for the
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,9 +45,10 @@ def outcome(call: Callable[[], Any]) -> tuple[type[BaseException] | None, str]:
     return None, ""
 
 
-def sharded_mlp(shard: Callable, mesh) -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, DIM))
+def sharded_mlp(shard: Callable, mesh, model: nn.Module | None = None) -> nn.Module:
+    """``model`` (by default a new one) sharded per layer and at the root."""
+    if model is None:
+        model = nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, DIM))
     shard(model[0], mesh=mesh)
     shard(model[2], mesh=mesh)
     return shard(model, mesh=mesh)
@@ -172,7 +174,10 @@ class TestSymmMem(FSDPTestMultiThread):
         """Rule 4, with a stand-in memory: each all-gather buffer is allocated in the pool
         and rendezvoused over the group before the gather; results are the default's."""
         mesh = init_device_mesh("cpu", (4,))
-        model, plain = sharded_mlp(fully_shard, mesh), sharded_mlp(fully_shard, mesh)
+        source = nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, DIM))
+        self.sync_module_states(source)  # threaded ranks share one RNG: rank 0's values
+        model = sharded_mlp(fully_shard, mesh, copy.deepcopy(source))
+        plain = sharded_mlp(fully_shard, mesh, copy.deepcopy(source))
         memory = RecordingMemory()
         model[0].set_custom_all_gather(RecordingSymmMemAllGather(memory))
         model[0].set_reshard_after_forward(True)
