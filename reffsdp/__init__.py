@@ -47,6 +47,8 @@ harness):
 Besides these, the first ``fully_shard`` call or wrapper built replaces the hook methods of
 the core's iteration driver (``core/driver.py``) with dynamo-disabled versions, once, and the
 first wrapper built those of its own class (``core/compile_support.py``).
+``FSDPModule.set_symm_mem_for_comm(backend)`` chooses torch's symmetric-memory backend for
+the process, as torch's own method does ([Note: symmetric memory] in ``per_param/symm_mem.py``).
 ``python -m reffsdp.swap`` rebinds the public names of torch's FSDP modules to this
 package's objects, for good, in the process it runs a program in ([Note: the swap] in
 ``swap.py``); importing reffsdp never does.

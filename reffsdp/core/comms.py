@@ -66,6 +66,8 @@ def _torch_collective(kind: Collective) -> Callable[..., Any]:
         return dist.all_gather_object
     if kind is Collective.BROADCAST_OBJECT:
         return dist.broadcast_object_list
+    if kind is Collective.BARRIER:
+        return dist.barrier
     raise ValueError(f"reffsdp issues no {kind.value} collective")
 
 
@@ -130,8 +132,8 @@ def intercept(kind: Collective, fn: Callable[..., Any]) -> Iterator[None]:
 
     ``fn`` takes the same arguments as the torch function it stands in for
     (``dist.all_gather_single``, ``dist.reduce_scatter_single``, ``dist.all_reduce``,
-    ``dist.broadcast``, ``dist.all_gather_object``, ``dist.broadcast_object_list``) and may
-    call that function itself to let the collective through.
+    ``dist.broadcast``, ``dist.all_gather_object``, ``dist.broadcast_object_list``,
+    ``dist.barrier``) and may call that function itself to let the collective through.
     """
     key = (kind, _caller_rank())
     with _interceptors_lock:
@@ -222,6 +224,11 @@ def broadcast(
         writes=[tensor],
         async_op=async_op,
     )
+
+
+def barrier(group: dist.ProcessGroup) -> None:
+    """Return once every rank of the group has called it."""
+    _resolve(Collective.BARRIER)(group=group)
 
 
 def all_gather_object(output: list[Any], obj: Any, group: dist.ProcessGroup | None) -> None:

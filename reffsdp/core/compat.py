@@ -29,6 +29,11 @@ entry names the releases on each side.
  7    ``fully_shard`` asks an all-gather extension whether to free the  --       2.15
       gathered outputs once its post hook built the unsharded form
       (``fsdp_should_release_all_gather_outputs_after_post_all_gather``)
+ 8    torch's own ``fully_shard`` takes per-parameter meshes             --       2.12
+      (``shard_placement_fn`` returning a ``ShardPlacementResult``) and
+      SPMD meshes (``dp_mesh_dims``), and its ``FSDPModule`` has
+      ``set_symm_mem_for_comm``; reffsdp offers all three on every
+      release, so only tests that compare with torch's depend on it
 ====  =================================================================  =======  =======
 
 The tests import :data:`TORCH_VERSION` to compare with the installed torch's own behaviour.
@@ -200,3 +205,13 @@ EXTENSIONS_MAY_RELEASE_OUTPUTS = TORCH_VERSION >= (2, 15)
 """Whether ``fully_shard`` asks a parameter's all-gather extension if its gathered outputs may
 be freed right after its post hook (entry 7; see [Note: all-gather extensions] in
 ``reffsdp/per_param/extensions.py``)."""
+
+
+# 8. What torch's own fully_shard offers. -----------------------------------------------------
+
+TORCH_FULLY_SHARD_HAS_PER_PARAM_MESHES = TORCH_VERSION >= (2, 12)
+"""Whether torch's ``fully_shard`` accepts a ``ShardPlacementResult`` from
+``shard_placement_fn``, takes ``dp_mesh_dims`` and has ``set_symm_mem_for_comm`` (entry 8).
+
+reffsdp does all three on every release; tests that compare with torch's own run only where
+this is true."""

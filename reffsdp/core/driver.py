@@ -3,8 +3,13 @@
 A front end's state (one per ``fully_shard`` call, one per wrapper instance) subclasses
 :class:`IterationDriver` and supplies only what differs between the APIs: how it finds the
 states under a root, which dtypes inputs are cast to, which groups to prefetch, how it opens
-a group's forward and registers the group's post-backward, and what its module shows
-between the steps. The driver decides when each step runs and in which order.
+its groups' forward and registers their post-backward, and what its module shows between
+the steps. The driver decides when each step runs and in which order.
+
+A state owns a list of groups: none (no parameters of its own), one (every wrapper
+instance; a ``fully_shard`` call on one mesh), or one per mesh (a ``fully_shard`` call with
+per-parameter meshes: see [Note: per-parameter meshes] in ``reffsdp/per_param/placement.py``).
+Each step below runs for each of a state's groups, in their order, unless it says otherwise.
 
 [Note: root and lazy init]
 The first state to run forward becomes the root. At that moment it finds every state in its
@@ -33,7 +38,8 @@ backward  R pre-backward (R's output gradient arrives): the final callback is qu
           N pre-backward, then N post-backward once N's gradients are ready (reduce)
           R post-backward
           final callback (queued on the root, once backward is done): every group that
-            backward entered but never left (its inputs needed no gradient) reduces, all
+            backward entered but never left (its inputs needed no gradient) reduces (each
+            state's groups last first, as backward runs them), all
             states idle; unless the caller finalizes backward itself (``manual_finalization``)
             or more backwards of this step follow (``is_last_backward`` False), the
             iteration ends: every reduction waited for, the post-forward order cleared
@@ -85,13 +91,30 @@ class RootContext:
 class IterationDriver:
     """Hooks and root duties of one FSDP state; subclasses supply the differences."""
 
-    def __init__(self, group: ParamGroup | None, device: torch.device, ctx: RootContext):
-        self.group = group
+    def __init__(
+        self, groups: list[ParamGroup] | None, device: torch.device, ctx: RootContext
+    ) -> None:
+        self.groups: list[ParamGroup] = list(groups or ())
         self.device = device
         self.ctx = ctx
         self.is_root: bool | None = None  # None until a root's lazy init
         self.training_state = TrainingState.IDLE
         install_eager_methods(IterationDriver)
+
+    @property
+    def group(self) -> ParamGroup | None:
+        """The state's one group, or ``None``: for states that have at most one (every
+        wrapper instance). A state with several groups refuses, naming them."""
+        if len(self.groups) > 1:
+            raise RuntimeError(
+                f"{self} has {len(self.groups)} parameter groups, one per mesh "
+                f"({', '.join(g.name for g in self.groups)}); use its groups"
+            )
+        return self.groups[0] if self.groups else None
+
+    @group.setter
+    def group(self, group: ParamGroup | None) -> None:
+        self.groups = [group] if group is not None else []
 
     # -- what a front end supplies --------------------------------------------------------
 
@@ -125,26 +148,26 @@ class IterationDriver:
         return None
 
     def _group_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        """Unshard and show the group for ``module``'s forward and register the group's
+        """Unshard and show the groups for ``module``'s forward and register their
         post-backward; returns the inputs to run with."""
         raise NotImplementedError
 
     def _leaves_group(self, module: nn.Module) -> bool:
-        """Whether ``module``'s forward ending ends the group's forward."""
+        """Whether ``module``'s forward ending ends the groups' forward."""
         return True
 
     def _after_group_post_forward(self, backward_follows: bool) -> None:
-        """After the group's post-forward (what the module shows, prefetch bookkeeping)."""
+        """After the groups' post-forward (what the module shows, prefetch bookkeeping)."""
 
     def _end_forward_root(self) -> None:
         """As the iteration's forward root, when its forward ends."""
 
     def _forward_prefetch(self) -> Iterable[ParamGroup]:
-        """Groups to start unsharding once this group is unsharded for forward."""
+        """Groups to start unsharding once this state's groups are unsharded for forward."""
         return ()
 
     def _backward_prefetch(self) -> Iterable[ParamGroup]:
-        """Groups to start unsharding once this group is unsharded for backward."""
+        """Groups to start unsharding once this state's groups are unsharded for backward."""
         return ()
 
     def _after_backward(self) -> None:
@@ -172,8 +195,9 @@ class IterationDriver:
         for state in states:
             state.ctx = self.ctx
         self.use_comm_ctx(self._new_comm_ctx())
-        if self.group is not None and self._root_keeps_unsharded:
-            self.group.configure(reshard_after_forward=False)
+        if self._root_keeps_unsharded:
+            for group in self.groups:
+                group.configure(reshard_after_forward=False)
         self._finish_lazy_init(states)
 
     def use_comm_ctx(self, comm: CommContext) -> None:
@@ -189,8 +213,9 @@ class IterationDriver:
         return self.ctx.comm
 
     def groups_under_root(self) -> list[ParamGroup]:
-        """The groups of every state in this root's tree (after lazy init), pre-order."""
-        return [state.group for state in self.ctx.states if state.group is not None]
+        """The groups of every state in this root's tree (after lazy init), pre-order, each
+        state's in its order."""
+        return [group for state in self.ctx.states for group in state.groups]
 
     # -- forward --------------------------------------------------------------------------
 
@@ -198,8 +223,8 @@ class IterationDriver:
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self._before_forward()
         if in_backward():  # activation-checkpoint recompute: the parameters, nothing more
-            if self.group is not None:
-                self.group.unshard_and_show()
+            for group in self.groups:
+                group.unshard_and_show()
             return self._cast(self._input_dtype(recompute=True), (args, kwargs))
         self.lazy_init()
         if self.ctx.iter_forward_root is None:
@@ -207,7 +232,7 @@ class IterationDriver:
             args, kwargs = self._root_pre_forward(args, kwargs)
         self.training_state = TrainingState.FORWARD
         args, kwargs = self._cast(self._input_dtype(), (args, kwargs))
-        if self.group is not None:
+        if self.groups:
             args, kwargs = self._group_pre_forward(module, args, kwargs)
         for group in self._forward_prefetch():
             group.unshard()
@@ -234,7 +259,7 @@ class IterationDriver:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if in_backward():
             return self._cast(self._output_dtype(), output)
-        if self.group is not None and self._leaves_group(module):
+        if self.groups and self._leaves_group(module):
             self._group_post_forward()
         output = register_pre_backward(self._pre_backward, output, owner=repr(self))
         self.training_state = TrainingState.IDLE
@@ -244,9 +269,9 @@ class IterationDriver:
         return self._cast(self._output_dtype(), output)
 
     def _group_post_forward(self) -> None:
-        assert self.group is not None
         backward_follows = torch.is_grad_enabled()
-        self.group.post_forward(backward_follows=backward_follows)
+        for group in self.groups:
+            group.post_forward(backward_follows=backward_follows)
         if backward_follows:  # the order backward prefetching walks
             self.ctx.post_forward_order.append(self)
         self._after_group_post_forward(backward_follows)
@@ -263,10 +288,11 @@ class IterationDriver:
                 ctx.manual_finalization_active = ctx.manual_finalization
             root = ctx.states[0] if ctx.states else self
             queue_final_callback(root._final_callback)
-        group = self.group
-        if group is None or group.training_state is TrainingState.PRE_BACKWARD:
+        entering = [g for g in self.groups if g.training_state is not TrainingState.PRE_BACKWARD]
+        if not entering:  # another output's hook of this pass got here first
             return
-        group.pre_backward()
+        for group in entering:
+            group.pre_backward()
         for target in self._backward_prefetch():
             target.unshard()
 
@@ -276,7 +302,8 @@ class IterationDriver:
         ctx = self.ctx
         manual = bool(ctx.manual_finalization_active)
         try:
-            groups = self.groups_under_root()
+            # Each state's groups last first, as backward reduces them.
+            groups = [group for state in ctx.states for group in reversed(state.groups)]
             end_groups_backward(groups, self.comm_ctx, last=False, defer_reductions=manual)
             for state in ctx.states:
                 state.training_state = TrainingState.IDLE

@@ -174,6 +174,36 @@ def free_dtensor_thread_cache() -> None:
     _thread_state_dict().pop(_DTENSOR_THREAD_CACHE_KEY, None)
 
 
+# -- symmetric memory (torch.distributed._symmetric_memory: documented, not public) ----------
+
+
+def set_symm_mem_backend(name: str) -> None:
+    """Choose the backend symmetric-memory buffers come from (process-wide, as torch's
+    ``set_symm_mem_for_comm`` does): ``RuntimeError`` if this build has no such backend."""
+    from torch.distributed import _symmetric_memory
+
+    _symmetric_memory.set_backend(name)
+
+
+@contextlib.contextmanager
+def symm_mem_pool(device: torch.device) -> Iterator[None]:
+    """Allocate ``device`` tensors from its symmetric-memory pool for the duration; the pool
+    reuses its buffers, so repeated allocations need no new rendezvous."""
+    from torch.distributed import _symmetric_memory
+
+    pool = _symmetric_memory.get_mem_pool(device)
+    with torch.get_device_module(device).use_mem_pool(pool):
+        yield
+
+
+def symm_mem_rendezvous(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Exchange the handles of ``tensor``, allocated from the symmetric-memory pool, with
+    the group's ranks (a collective), so that a collective on it may use symmetric memory."""
+    from torch.distributed import _symmetric_memory
+
+    _symmetric_memory.rendezvous(tensor, group=group.group_name)
+
+
 # -- DTensor and DeviceMesh ------------------------------------------------------------------
 
 

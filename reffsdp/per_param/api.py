@@ -101,7 +101,10 @@ class DataParallelMeshDims:
 
     def __post_init__(self) -> None:
         if self.shard is None and self.replicate is None:
-            raise ValueError("DataParallelMeshDims needs at least one of shard or replicate")
+            raise ValueError(
+                "At least one of shard or replicate must be set in DataParallelMeshDims: name "
+                "at least one mesh dim that data parallelism shards or replicates over"
+            )
 
     @property
     def shard_names(self) -> tuple[str, ...]:

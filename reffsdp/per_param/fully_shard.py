@@ -14,7 +14,6 @@ from typing import Any, overload
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 
 from ..core.compile_support import mark_fsdp_managed
 from ..core.mesh import MeshInfo
@@ -29,6 +28,7 @@ from .api import (
 )
 from .mesh import default_mesh, device_for, mesh_info_for, spmd_mesh_info
 from .module import FSDPModule
+from .placement import GroupMeshes, check_placement_fn_allowed, resolve_placement
 from .sharded_param import ShardedParam, unique_params
 from .state import FSDPState, state_of
 
@@ -46,7 +46,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
     ignored_params: set[nn.Parameter] | None = None,
@@ -73,9 +73,8 @@ def fully_shard(
     else:
         mesh_info = mesh_info_for(mesh)
     device = device_for(mesh)
-    reshard, post_forward_mesh_info = _resolve_reshard_after_forward(
-        reshard_after_forward, mesh_info
-    )
+    # Checked up front, on fully_shard's own mesh, as torch does; other meshes per group.
+    _resolve_reshard_after_forward(reshard_after_forward, mesh_info)
 
     managed = _managed_modules(modules)
     ignored = {id(p) for p in ignored_params or ()}
@@ -83,19 +82,8 @@ def fully_shard(
         modules, managed, ignored, mesh_info, device, shard_placement_fn, offload_policy, mp_policy
     )
     _move_buffers(managed, device)
-    group = None
-    if sharded:
-        group = ParamGroup(
-            sharded,
-            f"fully_shard group of {', '.join(type(m).__name__ for m in modules)}",
-            mesh_info,
-            device,
-            param_dtype=mp_policy.param_dtype,
-            reduce_dtype=mp_policy.reduce_dtype,
-            settings=GroupSettings(reshard_after_forward=reshard),
-            post_forward_mesh_info=post_forward_mesh_info,
-        )
-    FSDPState(modules, group, device, mp_policy, auto_reshard_root=reshard_after_forward is None)
+    groups = _groups_by_mesh(modules, sharded, device, mp_policy, reshard_after_forward)
+    FSDPState(modules, groups, device, mp_policy, auto_reshard_root=reshard_after_forward is None)
     for m in modules:
         _swap_class(m)
         register_composable_api(m, "fully_shard")  # torch's replicate then skips m
@@ -165,25 +153,31 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
             nn.ModuleDict.forward,
         ):
             raise ValueError(
-                f"fully_shard does not support {type(m).__name__} containers, which have no "
-                "forward; shard each child or the module that calls them"
+                "fully_shard does not support containers that do not implement forward: "
+                f"{type(m).__name__} has no forward of its own; shard each child or the module "
+                "that calls them"
             )
         if state_of(m) is not None:
-            raise AssertionError(f"fully_shard was already applied to {type(m).__name__}")
+            raise AssertionError(
+                f"fully_shard has already been applied to {type(m).__name__}: fully_shard can "
+                "only be applied to a module once; to change its settings, use the "
+                "FSDPModule setters (e.g. set_reshard_after_forward)"
+            )
 
 
 def _resolve_reshard_after_forward(
-    value: bool | int | None, mesh_info: MeshInfo
+    value: bool | int | None, mesh_info: MeshInfo, *, warn: bool = True
 ) -> tuple[bool, MeshInfo | None]:
-    """``(reshard?, post-forward mesh)``; an int ``k`` reshards to groups of ``k`` ranks."""
+    """``(reshard?, post-forward mesh)``; an int ``k`` reshards to groups of ``k`` ranks.
+    ``warn``: about ``k = 1`` (once per call, not per group)."""
     if value is None or isinstance(value, bool):
         return value is not False, None
     if not isinstance(value, int):
         raise ValueError(f"reshard_after_forward must be a bool or int, got {value!r}")
     if mesh_info.spmd is not None:
         raise NotImplementedError(
-            f"reshard_after_forward={value}: an int is not supported with dp_mesh_dims; "
-            "pass True or False"
+            "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims): "
+            f"got reshard_after_forward={value}; pass True or False"
         )
     shard_size = mesh_info.shard_size
     if value < 1 or value > shard_size or shard_size % value != 0:
@@ -192,11 +186,12 @@ def _resolve_reshard_after_forward(
             f"and lie in [1, {shard_size}]"
         )
     if value == 1:
-        warnings.warn(
-            "reshard_after_forward=1 keeps every parameter unsharded after forward; "
-            "pass False instead",
-            stacklevel=3,
-        )
+        if warn:
+            warnings.warn(
+                "reshard_after_forward=1 keeps every parameter unsharded after forward; "
+                "pass False instead",
+                stacklevel=3,
+            )
         return False, None
     if value == shard_size:
         return True, None
@@ -211,7 +206,9 @@ def _resolve_reshard_after_forward(
 
 
 def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
-    """Depth-first from the roots, not entering modules another call already sharded.
+    """Depth-first from the roots, children before their parent (torch's order, which
+    orders a call's parameters and so its groups), not entering modules another call
+    already sharded.
 
     A module that an earlier call manages without being its root means that call was applied
     top-down (parent before child): its parameters are already sharded, so refuse clearly.
@@ -230,10 +227,10 @@ def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
                 f"{type(m).__name__} is already managed by an enclosing fully_shard call; "
                 "apply fully_shard bottom-up (children before their parent)"
             )
-        managed.append(m)
         for child in m.children():
             if state_of(child) is None:
                 visit(child)
+        managed.append(m)  # after its children, as torch lists them
 
     for root in roots:
         visit(root)
@@ -251,18 +248,22 @@ def _shard_params(
         for name, p in m.named_parameters(recurse=False, remove_duplicate=False)
         if id(p) not in ignored
     ]
+    if triples:
+        check_placement_fn_allowed(shard_placement_fn, mesh_info)
     paths = _module_paths(roots)
+    meshes = GroupMeshes(mesh_info)
     sharded = []
     for param, refs in unique_params(triples):
         prefix = paths[id(refs[0].module)]
         name = f"{prefix}.{refs[0].name}" if prefix else refs[0].name
-        shard_dim = _shard_dim(shard_placement_fn, param, name, type(refs[0].module).__name__)
+        result = shard_placement_fn(param) if shard_placement_fn is not None else None
+        place = resolve_placement(result, param, meshes, name, type(refs[0].module).__name__)
         sharded_param = ShardedParam(
             param,
             refs,
-            mesh_info,
+            place.mesh_info,
             device,
-            shard_dim,
+            place.shard_dim,
             name=name,
             offload=offload,
             pin_memory=pin_memory,
@@ -278,6 +279,40 @@ def _shard_params(
     return sharded
 
 
+def _groups_by_mesh(
+    modules: tuple[nn.Module, ...],
+    sharded: list[ShardedParam],
+    device: torch.device,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool | int | None,
+) -> list[ParamGroup]:
+    """One group per mesh, ordered by their first parameters; each resolves
+    ``reshard_after_forward`` on its own mesh (rules 1 and 3 of [Note: per-parameter meshes]
+    in ``placement``)."""
+    by_mesh: dict[int, list[ShardedParam]] = {}
+    for param in sharded:
+        by_mesh.setdefault(id(param.mesh_info), []).append(param)
+    name = f"fully_shard group of {', '.join(type(m).__name__ for m in modules)}"
+    groups = []
+    for members in by_mesh.values():
+        mesh_info = members[0].mesh_info
+        reshard, post_forward = _resolve_reshard_after_forward(
+            reshard_after_forward, mesh_info, warn=False
+        )
+        group = ParamGroup(
+            members,
+            f"{name} on {mesh_info.mesh}" if len(by_mesh) > 1 else name,
+            mesh_info,
+            device,
+            param_dtype=mp_policy.param_dtype,
+            reduce_dtype=mp_policy.reduce_dtype,
+            settings=GroupSettings(reshard_after_forward=reshard),
+            post_forward_mesh_info=post_forward,
+        )
+        groups.append(group)
+    return groups
+
+
 def _module_paths(roots: tuple[nn.Module, ...]) -> dict[int, str]:
     """Each module's path under the module(s) given to ``fully_shard``, for messages."""
     paths: dict[int, str] = {}
@@ -285,37 +320,6 @@ def _module_paths(roots: tuple[nn.Module, ...]) -> dict[int, str]:
         for path, module in root.named_modules():
             paths.setdefault(id(module), path)
     return paths
-
-
-class ShardDimError(ValueError, AssertionError):
-    """A ``Shard`` dim the parameter does not have. A bad argument, so a ``ValueError``; and
-    an ``AssertionError`` too, which torch's ``fully_shard`` raises for it, so code written
-    against either type catches it."""
-
-
-def _shard_dim(shard_placement_fn, param: nn.Parameter, name: str, owner: str) -> int:
-    """The tensor dim to shard ``param`` on: 0, or what ``shard_placement_fn`` returns.
-
-    A negative dim counts from the end, once (``Shard(-1)`` of a 2-D weight is dim 1);
-    anything still outside ``[0, param.dim())`` is refused rather than wrapped around.
-    """
-    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
-    if placement is None:
-        return 0
-    if not isinstance(placement, Shard):
-        raise ValueError(
-            f"shard_placement_fn must return None or a Shard placement, got {placement!r} "
-            f"for parameter {name!r} ({owner})"
-        )
-    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
-    if not 0 <= dim < param.dim():
-        raise ShardDimError(
-            f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: "
-            f"shard_placement_fn returned Shard({placement.dim}) for parameter {name!r} "
-            f"({owner}) of size {tuple(param.size())}, whose dims are {-param.dim()} to "
-            f"{param.dim() - 1}"
-        )
-    return dim
 
 
 def _move_buffers(managed: list[nn.Module], device: torch.device) -> None:
@@ -331,7 +335,11 @@ def _swap_class(module: nn.Module) -> None:
     if fsdp_cls is None:
 
         def __deepcopy__(self, memo):  # noqa: N807
-            raise AssertionError("copy.deepcopy of a fully_shard module is not supported")
+            raise AssertionError(
+                "FSDP does not support deepcopy: copy.deepcopy of a fully_shard module would "
+                "copy its sharded parameters without their state. Please use state dict for "
+                "serialization (state_dict() / load_state_dict() into a fresh sharded module)"
+            )
 
         fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": __deepcopy__})
         _fsdp_classes[cls] = fsdp_cls

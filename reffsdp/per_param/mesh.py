@@ -134,6 +134,11 @@ def sharded_spec(
 #   Both agree only when the sizes divide evenly: 5 rows on a 2 x 2 shard mesh are chunked
 #   2, 2, 1, 0 flat but 2, 1, 1, 1 nested. Uneven cases raise ``NotImplementedError`` rather
 #   than produce wrong metadata.
+# * The same mesh object. As in torch, every parameter must be a DTensor on the very mesh
+#   object passed to ``fully_shard``; an equal mesh built again is refused. Build the
+#   parameters and call ``fully_shard`` with one mesh object: a DTensor wrapped in
+#   ``nn.Parameter`` (a ``detach``) may even come back on an earlier equal mesh, which
+#   DTensor's sharding cache hands out for every equal one.
 # * Gradients. The unsharded gradient is redistributed to the parameter's placements on
 #   non-DP dims only. A ``Partial`` on a DP dim (e.g. from a batch-sharded DTensor input) is
 #   left as is: its local tensor is exactly what FSDP's reduce-scatter / all-reduce reduce,
@@ -160,10 +165,16 @@ class SpmdDims:
                 f"fully_shard, but {name} is a plain tensor; distribute it first (e.g. "
                 "distribute_tensor(param, mesh, [Replicate(), ...]))"
             )
-        if param.device_mesh != self.mesh:
+        if param.device_mesh is not self.mesh:
+            # The same object, as torch asks: an equal mesh built again is not enough.
+            another = (
+                " (an equal mesh, but another object)" if param.device_mesh == self.mesh else ""
+            )
             raise ValueError(
-                f"{name} is a DTensor on {param.device_mesh}, not on the mesh passed to "
-                f"fully_shard with dp_mesh_dims ({self.mesh})"
+                "Expected param's DTensor mesh to be the same mesh passed to fully_shard: "
+                f"{name} is a DTensor on {param.device_mesh}{another}, not on the mesh passed "
+                f"to fully_shard with dp_mesh_dims ({self.mesh}); distribute the parameters on "
+                "the mesh object you pass"
             )
         names = self.mesh.mesh_dim_names
         assert names is not None
@@ -225,25 +236,50 @@ class SpmdDims:
         return pieces
 
 
+class DpMeshDimsError(ValueError, RuntimeError):
+    """``dp_mesh_dims`` naming no mesh dim, or one dim twice. A bad argument, so a
+    ``ValueError``; torch's ``fully_shard`` fails on it inside ``DeviceMesh`` (slicing,
+    flattening or concatenating the named dims) with a ``RuntimeError``, so it is one too."""
+
+
+class DpMeshDimsOrderError(ValueError, KeyError):
+    """``dp_mesh_dims`` naming dims out of mesh order: a ``ValueError``, and the ``KeyError``
+    that ``DeviceMesh`` slicing raises for it in torch's ``fully_shard``."""
+
+    __str__ = Exception.__str__  # the message as written, not quoted as a KeyError's key
+
+
 def spmd_mesh_info(
     mesh: DeviceMesh, shard_names: tuple[str, ...], replicate_names: tuple[str, ...]
 ) -> MeshInfo:
-    """Interpret ``dp_mesh_dims`` on a full SPMD mesh (see [Note: SPMD meshes])."""
-    if not shard_names and not replicate_names:
-        raise ValueError("dp_mesh_dims needs at least one shard or replicate dim name")
+    """Interpret ``dp_mesh_dims`` on a full SPMD mesh (see [Note: SPMD meshes]).
+
+    Checked in torch's order: the mesh has dim names, every name is one of them, some dim
+    is named, each role's names are distinct and in mesh order, no dim has both roles.
+    """
     if mesh.mesh_dim_names is None:
         raise ValueError(
-            "dp_mesh_dims names mesh dims, but the mesh has no dim names; create it with "
+            "mesh must have mesh_dim_names when dp_mesh_dims is provided: dp_mesh_dims names "
+            "mesh dims, but the mesh has no dim names; create it with "
             "init_device_mesh(..., mesh_dim_names=...)"
         )
-    both = set(shard_names) & set(replicate_names)
-    if both:
-        raise ValueError(f"mesh dims {sorted(both)} cannot both shard and replicate")
+    _check_known_names(mesh.mesh_dim_names, shard_names + replicate_names)
+    if not shard_names and not replicate_names:
+        raise DpMeshDimsError(
+            "dp_mesh_dims names no mesh dim (empty shard and replicate names): name at least "
+            "one dim that data parallelism shards or replicates over"
+        )
     spmd = SpmdDims(
         mesh,
         _dim_indices(mesh, shard_names, "shard"),
         _dim_indices(mesh, replicate_names, "replicate"),
     )
+    both = set(shard_names) & set(replicate_names)
+    if both:
+        raise DpMeshDimsError(
+            f"mesh dims {sorted(both)} cannot both shard and replicate: the shard and "
+            "replicate meshes would be overlapping"
+        )
     if not shard_names:
         return MeshInfo(flatten_dims(mesh, replicate_names), None, 0, spmd=spmd)
     shard_mesh = flatten_dims(mesh, shard_names)
@@ -254,18 +290,29 @@ def spmd_mesh_info(
     return MeshInfo(hsdp_mesh, 1, 0, spmd=spmd)
 
 
-def _dim_indices(mesh: DeviceMesh, names: tuple[str, ...], role: str) -> tuple[int, ...]:
-    mesh_names = mesh.mesh_dim_names
-    assert mesh_names is not None
+def _check_known_names(mesh_names: tuple[str, ...], names: tuple[str, ...]) -> None:
     unknown = [name for name in names if name not in mesh_names]
     if unknown:
         raise ValueError(
-            f"dp_mesh_dims {role} names {unknown} are not dims of the mesh {mesh_names}"
+            f"Mesh dim name {unknown[0]!r} not found in mesh.mesh_dim_names {mesh_names}: "
+            f"dp_mesh_dims names {unknown}, which are not dims of the mesh the parameters "
+            "live on"
         )
+
+
+def _dim_indices(mesh: DeviceMesh, names: tuple[str, ...], role: str) -> tuple[int, ...]:
+    mesh_names = mesh.mesh_dim_names
+    assert mesh_names is not None
     dims = tuple(mesh_names.index(name) for name in names)
-    if list(dims) != sorted(set(dims)):
-        raise ValueError(
-            f"dp_mesh_dims {role} names {names} must be distinct and in mesh order {mesh_names}"
+    if len(set(dims)) != len(dims):
+        raise DpMeshDimsError(
+            f"dp_mesh_dims {role} names {names} name a mesh dim more than once, which would "
+            "slice overlapping dims; list each dim once"
+        )
+    if list(dims) != sorted(dims):
+        raise DpMeshDimsOrderError(
+            f"dp_mesh_dims {role} names {names} must be in mesh order {mesh_names}: Mesh dim "
+            "indices should be in ascending order"
         )
     return dims
 

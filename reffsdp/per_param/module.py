@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..core import comms
 from ..core.param_group import ParamGroup
 from ..core.runtime import CommContext
-from . import finalization
+from . import finalization, symm_mem
 from .state import AsyncFinalization, FSDPState, state_of
 
 
@@ -77,8 +77,9 @@ class FSDPModule:
         return state
 
     def _groups(self) -> list[ParamGroup]:
-        group = self._get_fsdp_state().group
-        return [group] if group is not None else []
+        """This module's groups: one per mesh (see [Note: per-parameter meshes] in
+        ``placement``), none without parameters of its own."""
+        return list(self._get_fsdp_state().groups)
 
     def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
         if not recurse:
@@ -256,7 +257,7 @@ class FSDPModule:
         ``stream`` is where the hook runs; with native HSDP (a 2D mesh) it runs where the
         all-reduce did, so a stream cannot be given (the message is torch's, word for word).
         """
-        groups = self._groups()
+        groups = self._refuse_several_groups("set_all_reduce_hook")
         if stream is not None and any(g.mesh_info.is_hsdp for g in groups):
             raise ValueError("stream cannot be set when using native HSDP")
         self._configure(False, all_reduce_hook=hook, all_reduce_hook_stream=stream)
@@ -303,24 +304,57 @@ class FSDPModule:
                 )
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Accepted for compatibility: buffers always come from the caching allocator."""
+        """Accepted for compatibility: buffers always come from the caching allocator. It is
+        remembered, as it rules out ``set_symm_mem_for_comm`` while on (as in torch)."""
         _check_bool("set_allocate_memory_from_process_group_for_comm", enable=enable)
         for group in self._groups():
             settings = group.settings
-            if settings.all_gather_comm is not None or settings.reduce_scatter_comm is not None:
-                raise AssertionError(
-                    "set_allocate_memory_from_process_group_for_comm cannot be combined with "
-                    "a custom all-gather or reduce-scatter"
-                )
+            for kind, comm in (
+                ("all gather", settings.all_gather_comm),
+                ("reduce scatter", settings.reduce_scatter_comm),
+            ):
+                if comm is not None:
+                    raise AssertionError(
+                        "cannot call set_allocate_memory_from_process_group() when "
+                        f"{kind} comm is custom: {type(comm).__name__}; "
+                        "set_allocate_memory_from_process_group_for_comm cannot be combined "
+                        "with a custom all-gather or reduce-scatter, or symmetric memory"
+                    )
+        self._get_fsdp_state().allocating_from_process_group = enable
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        raise NotImplementedError("reffsdp does not implement symmetric-memory collectives")
+        """All-gather this module's parameters into buffers of symmetric memory from
+        ``backend`` (torch's symmetric memory), for NCCL's copy-engine or symmetric-kernel
+        all-gathers; see [Note: symmetric memory] in ``reffsdp/per_param/symm_mem.py`` for
+        what is checked, and what happens on a CPU mesh or a build without the backend."""
+        symm_mem.use_for_all_gathers(
+            self._groups(),
+            backend,
+            allocating_from_process_group=self._get_fsdp_state().allocating_from_process_group,
+        )
 
     def _single_group(self, method: str) -> ParamGroup:
-        groups = self._groups()
-        if len(groups) != 1:
-            raise ValueError(f"{method} needs a module with exactly one parameter group")
+        """The module's one group, for a setting that names one communication. Several are
+        refused as by torch; none too (torch ignores the setting then)."""
+        groups = self._refuse_several_groups(method)
+        if not groups:
+            raise ValueError(
+                f"{method} needs a module with exactly one parameter group, but "
+                f"{type(self).__name__} has no parameters of its own"
+            )
         return groups[0]
+
+    def _refuse_several_groups(self, method: str) -> list[ParamGroup]:
+        """This module's groups, unless there are several (rule 5 of [Note: per-parameter
+        meshes] in ``placement``)."""
+        groups = self._groups()
+        if len(groups) > 1:
+            raise ValueError(
+                f"{method} is not supported with multiple param groups (from per-param mesh "
+                f"via shard_placement_fn): {type(self).__name__} has {len(groups)}, one per "
+                "mesh, and one communication would be ambiguous across their meshes"
+            )
+        return groups
 
     # -- prefetching --------------------------------------------------------------------
 

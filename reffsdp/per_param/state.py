@@ -4,13 +4,24 @@ The hooks, their order and the root's duties are the core's (see [Note: root and
 and [Note: hook order] in ``reffsdp/core/driver.py``); this state supplies what
 ``fully_shard`` decides: the states of a tree (no grouped call as root), its casts
 (``MixedPrecisionPolicy``), its prefetch targets, a grouped call's one pass per group, and
-the post-backward hook on the group's inputs.
+the post-backward hook on its groups' inputs. A call has one group per mesh (see [Note:
+per-parameter meshes] in ``placement``); every step covers each of them.
 
 [Note: prefetch policy]
-The core unshards whatever group it is asked to; this front end decides which. Forward:
-the modules named by ``set_modules_to_forward_prefetch``. Backward: the modules named by
-``set_modules_to_backward_prefetch``, or by default the group whose forward ran just before
-ours this iteration (``RootContext.post_forward_order``, walked in reverse).
+The core unshards whatever group it is asked to; this front end decides which, once this
+state's own groups are unsharded. Forward: every group of the modules named by
+``set_modules_to_forward_prefetch``, in their order. Backward: every group of the modules
+named by ``set_modules_to_backward_prefetch``, each module's last group first; by default,
+the state whose forward ran just before ours this iteration (``RootContext.post_forward_order``,
+walked in reverse), as torch picks it:
+
+1. A state with one group prefetches that state's last group (the group that finished
+   forward just before ours).
+2. A state with several groups (per-parameter meshes) prefetches every group of the nearest
+   *other* state before it, last group first.
+
+(torch issues rule 2's prefetch after the second of our groups is unsharded; after all of
+them here, the same moment for the two groups of a mixture-of-experts block.)
 
 [Note: grouped fully_shard]
 ``fully_shard([a, b])`` gives ``a`` and ``b`` one group, gathered and reduced once per
@@ -85,15 +96,18 @@ class FSDPState(IterationDriver):
     def __init__(
         self,
         modules: tuple[nn.Module, ...],
-        group: ParamGroup | None,
+        groups: list[ParamGroup],
         device: torch.device,
         mp_policy: MixedPrecisionPolicy,
         auto_reshard_root: bool,
     ) -> None:
-        super().__init__(group, device, StateContext())
+        super().__init__(groups, device, StateContext())
         self.modules = modules
         self.mp_policy = mp_policy
         self.auto_reshard_root = auto_reshard_root
+        # set_allocate_memory_from_process_group_for_comm(True), which rules out symmetric
+        # memory (see [Note: symmetric memory] in symm_mem).
+        self.allocating_from_process_group = False
         # Set by share_comm_ctx before lazy init: the context this root adopts.
         self.shared_comm_ctx: RootCommContext | None = None
         self.forward_prefetch: list[FSDPState] = []
@@ -179,20 +193,21 @@ class FSDPState(IterationDriver):
         return self.mp_policy.output_dtype
 
     def _group_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        assert self.group is not None
-        for param in self.group.members:
-            param.check_registered()
+        for group in self.groups:
+            for param in group.members:
+                param.check_registered()
         # See [Note: grouped fully_shard].
         opens_pass = not self._modules_in_forward
         if opens_pass:
             self._modules_in_forward.update(self.modules)
-        self.group.pre_forward()
-        if opens_pass:
-            args, kwargs = register_post_backward(self.group.post_backward, args, kwargs)
+        for group in self.groups:
+            group.pre_forward()
+            if opens_pass:  # the last group's hook is outermost: backward reduces it first
+                args, kwargs = register_post_backward(group.post_backward, args, kwargs)
         return args, kwargs
 
     def _forward_prefetch(self) -> Iterable[ParamGroup]:
-        return [target.group for target in self.forward_prefetch if target.group is not None]
+        return [group for target in self.forward_prefetch for group in target.groups]
 
     def _leaves_group(self, module: nn.Module) -> bool:
         if module not in self._modules_in_forward:
@@ -217,32 +232,34 @@ class FSDPState(IterationDriver):
     def _before_state_dict(self, *args: Any) -> None:
         # Saving or loading always sees the sharded DTensors, even between a forward with
         # reshard_after_forward=False and its backward.
-        if self.group is not None:
-            self.group.reshard()
+        for group in self.groups:
+            group.reshard()
 
     def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
         # load_state_dict(assign=True) registers new DTensors: adopt them and re-pad (see
         # [Note: replaced parameters] in reffsdp/per_param/sharded_param.py).
-        if self.group is not None:
-            for param in self.group.members:
+        for group in self.groups:
+            for param in group.members:
                 param.reset_sharded_param(loading=True)
 
     # -- backward -------------------------------------------------------------------------
 
     def _backward_prefetch(self) -> Iterable[ParamGroup]:
-        targets = self.backward_prefetch or self._previous_in_forward()
-        return [
-            target.group
-            for target in targets
-            if target.group is not None and target.group.settings.unshard_in_backward
-        ]
+        if self.backward_prefetch:
+            targets = [g for state in self.backward_prefetch for g in reversed(state.groups)]
+        else:
+            targets = self._previous_in_forward()
+        return [group for group in targets if group.settings.unshard_in_backward]
 
-    def _previous_in_forward(self) -> list[FSDPState]:
-        """The state whose group finished forward just before ours (default prefetch)."""
+    def _previous_in_forward(self) -> list[ParamGroup]:
+        """The groups to prefetch by default: rules 1 and 2 of [Note: prefetch policy]."""
         if not self._post_forward_indices:
             return []
-        index = self._post_forward_indices.pop()
-        return [self.ctx.post_forward_order[index - 1]] if index > 0 else []
+        earlier = self.ctx.post_forward_order[: self._post_forward_indices.pop()]
+        if len(self.groups) == 1:
+            return earlier[-1].groups[-1:] if earlier else []
+        others = [state for state in earlier if state is not self]
+        return list(reversed(others[-1].groups)) if others else []
 
     def _end_iteration(self) -> None:
         self._post_forward_indices.clear()
@@ -267,8 +284,8 @@ class FSDPState(IterationDriver):
             state.training_state = TrainingState.IDLE
             state._modules_in_forward.clear()
             state._post_forward_indices.clear()
-            if state.group is not None:
-                state.group.reset()
+            for group in state.groups:
+                group.reset()
         self.ctx.iter_forward_root = None
         self.ctx.final_callback_queued = False
         self.ctx.manual_finalization_active = None
@@ -297,7 +314,7 @@ def _set_root_fqns(root: nn.Module, states: list[FSDPState]) -> None:
     """
     paths = {id(module): path for path, module in root.named_modules()}
     for state in states:
-        for param in state.group.members if state.group is not None else ():
+        for param in (param for group in state.groups for param in group.members):
             for ref in param.refs:
                 path = paths.get(id(ref.module))
                 if path is not None:
@@ -308,9 +325,7 @@ def _set_root_fqns(root: nn.Module, states: list[FSDPState]) -> None:
 def _check_no_param_in_two_groups(states: list[FSDPState]) -> None:
     owner: dict[int, FSDPState] = {}
     for state in states:
-        if state.group is None:
-            continue
-        for param in state.group.members:
+        for param in (param for group in state.groups for param in group.members):
             other = owner.setdefault(param.orig_param_uid, state)
             if other is not state:
                 raise ValueError(

@@ -189,6 +189,18 @@ class FullyShardedDataParallel(nn.Module):
         handle = self._fsdp_wrapper_state.handle
         return handle.flat_param if handle is not None else None
 
+    @property
+    def params(self) -> list[FlatParameter]:
+        """This instance's flat parameter in a list, as torch's wrapper lists it: one
+        element, or none for an instance that manages no parameters of its own (a root whose
+        modules were all wrapped by children, say).
+
+        The flat parameter is the one object the instance keeps from construction on; a move
+        (``to()``, ``half()``) changes its data, not the object.
+        """
+        flat_param = self._flat_param
+        return [flat_param] if flat_param is not None else []
+
     def __getattr__(self, name: str) -> Any:
         """Attributes the wrapper lacks come from the wrapped module."""
         try:

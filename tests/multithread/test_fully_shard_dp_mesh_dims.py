@@ -217,12 +217,15 @@ class TestDpMeshDims3D(DpMeshDimsMixin, FSDPTestMultiThread):
         self._check_parity(mesh, dims)
 
     def test_flattened_names(self):
-        """``shard=("a", "b")`` shards over 4 ranks; ``replicate=("a", "b")`` replicates."""
+        """``shard=("a", "b")`` shards over 4 ranks; ``replicate=("a", "b")`` replicates.
+
+        One mesh for both: parameters must live on the very mesh object passed, and a DTensor
+        wrapped in ``nn.Parameter`` may carry an earlier equal mesh (see [Note: SPMD meshes]).
+        """
+        mesh = spmd_mesh(a=2, b=2, tp=TP)
         self.run_subtests(
             {"role": ["shard", "replicate"]},
-            lambda role: self._check_parity(
-                spmd_mesh(a=2, b=2, tp=TP), DataParallelMeshDims(**{role: ("a", "b")})
-            ),
+            lambda role: self._check_parity(mesh, DataParallelMeshDims(**{role: ("a", "b")})),
         )
 
     def test_flattened_uneven_not_implemented(self):

@@ -41,7 +41,7 @@ def x() -> torch.Tensor:
 
 def test_fully_shard_twice_on_one_module(mesh):
     lin = fully_shard(nn.Linear(4, 4), mesh=mesh)
-    with pytest.raises(AssertionError, match="already applied"):
+    with pytest.raises(AssertionError, match="already been applied"):
         fully_shard(lin, mesh=mesh)
 
 
