@@ -202,9 +202,10 @@ class TestNF4QLoRA(FSDPTestMultiThread):
 
     @pytest.mark.xfail(
         strict=True,
-        reason="reffsdp's fully_shard does not yet gather a parameter through its "
-        "fsdp_pre_all_gather/fsdp_post_all_gather extension (it shards the NF4 weight as a "
-        "plain tensor, with narrow); remove this mark when it does",
+        reason="reffsdp's fully_shard cuts a rank's rows with narrow (aten.slice) and rebuilds "
+        "the N-D shard from a 1-D view; NF4Tensor supports neither, only what torch's "
+        "fully_shard uses (torch.chunk's even split, new_zeros, copy_, the N-D padded shard "
+        "itself). Remove this mark when reffsdp shards such a tensor",
     )
     def test_training_matches_torch(self):
         self.run_subtests({"reshard_after_forward": [True, False]}, self._check_against_torch)
