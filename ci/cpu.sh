@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv --clear .venv
-.venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test,integration]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test,integration,lowbit]"
 # A deadlock that holds the GIL stops pytest-timeout too: this limit ends the run (about
 # 20 minutes on 2 cores; SUITE_LIMIT_S to change it).
 exec timeout --signal=KILL "${SUITE_LIMIT_S:-3600}" \

@@ -129,10 +129,16 @@ def shard_tensor(tensor: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     Two ranks, ``tensor = [a, b, c]`` on dim 0: rank 0 gets ``[a, b]``, rank 1 ``[c, 0]``.
     """
     padded = tensor.new_zeros(layout.padded_shard_size)
-    if tensor.device.type == "meta":
+    if tensor.device.type == "meta" or layout.local_rows == 0:
         return padded
-    local = tensor.narrow(layout.shard_dim, layout.local_offset, layout.local_rows)
-    padded.narrow(layout.shard_dim, 0, layout.local_rows).copy_(local)
+    # Cut by ``split`` and fill a narrowed pad only where there is padding: a parameter
+    # tensor subclass (torchao's NF4) may support no other slicing than these.
+    padded_rows = layout.padded_shard_size[layout.shard_dim]
+    local = tensor.split(padded_rows, layout.shard_dim)[layout.rank]
+    rows = padded
+    if layout.local_rows < padded_rows:
+        rows = padded.narrow(layout.shard_dim, 0, layout.local_rows)
+    rows.copy_(local)
     return padded
 
 

@@ -187,7 +187,7 @@ class ShardedParam(PaddedShardMember):
         on_device = local_param.detach()
         if on_device.device != self.device and on_device.device.type != "meta":
             on_device = on_device.to(self.device)
-        self.padded_shard = shard_tensor(on_device, self.layout).view(-1)
+        padded = shard_tensor(on_device, self.layout)
         # CPU offload: the shard (hence grads and optimizer state) lives on the host; a CPU
         # compute device makes this a no-op (unless simulated streams give it memory of its
         # own: see [Note: stream backends] in core/streams). Pinned memory lets copies
@@ -195,7 +195,8 @@ class ShardedParam(PaddedShardMember):
         self.offload = offload and backend_for(self.device).separate_host_memory
         self.pin_memory = pin_memory and self.offload
         if self.offload:
-            self.padded_shard = self._to_host(self.padded_shard)
+            padded = self._to_host(padded)
+        self._set_padded_shard(padded)
         self.sharded_param = nn.Parameter(
             self._to_dtensor(self._local_view()), requires_grad=param.requires_grad
         )
@@ -204,9 +205,24 @@ class ShardedParam(PaddedShardMember):
 
     # -- the sharded form ---------------------------------------------------------------
 
+    def _set_padded_shard(self, padded: torch.Tensor) -> None:
+        """Own ``padded`` (this rank's padded shard, in the parameter's shape) as the shard.
+
+        The shaped tensor is kept next to its 1D view: a parameter tensor subclass (torchao's
+        NF4) may flatten with ``view(-1)`` but not take its shape back.
+        """
+        self._padded_shard_shaped = padded
+        self.padded_shard = padded.view(-1)
+
     def _local_view(self) -> torch.Tensor:
-        shard = self.padded_shard.view(self.layout.padded_shard_size)
-        return shard.narrow(self.shard_dim, 0, self.layout.local_rows)
+        return self._rows_of(self._padded_shard_shaped)
+
+    def _rows_of(self, padded: torch.Tensor) -> torch.Tensor:
+        """The rows of a padded shard this rank owns (``padded`` itself where none is padding,
+        so a subclass that cannot be sliced needs no slice)."""
+        if self.layout.local_rows == padded.size(self.shard_dim):
+            return padded
+        return padded.narrow(self.shard_dim, 0, self.layout.local_rows)
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a local shard (of the parameter or its gradient) with the sharded spec.
@@ -244,8 +260,8 @@ class ShardedParam(PaddedShardMember):
             return
         padded = local.new_zeros(self.layout.padded_shard_size)
         if local.device.type != "meta":
-            padded.narrow(self.shard_dim, 0, self.layout.local_rows).copy_(local)
-        self.padded_shard = padded.view(-1)
+            self._rows_of(padded).copy_(local)
+        self._set_padded_shard(padded)
         self.orig_dtype = local.dtype
         if self.offload and local.device.type not in ("cpu", "meta"):
             raise RuntimeError(

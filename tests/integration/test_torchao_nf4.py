@@ -200,13 +200,6 @@ class TestNF4QLoRA(FSDPTestMultiThread):
         self.assertTrue(all(torch.isfinite(loss) for loss in losses))
         self.assertLess(losses[-1].item(), losses[0].item())
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="reffsdp's fully_shard cuts a rank's rows with narrow (aten.slice) and rebuilds "
-        "the N-D shard from a 1-D view; NF4Tensor supports neither, only what torch's "
-        "fully_shard uses (torch.chunk's even split, new_zeros, copy_, the N-D padded shard "
-        "itself). Remove this mark when reffsdp shards such a tensor",
-    )
     def test_training_matches_torch(self):
         self.run_subtests({"reshard_after_forward": [True, False]}, self._check_against_torch)
 
