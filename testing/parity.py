@@ -12,7 +12,8 @@
 
 Default tolerances are derived from the dtype and the number of ranks summed (see
 [Note: default tolerances] in :mod:`reffsdp.testing.tolerances`); ``rtol``/``atol`` set
-them, for every dtype or per dtype (``{torch.bfloat16: 1e-2, torch.float32: 1e-5}``).
+them, for every dtype or per dtype (``{torch.bfloat16: 1e-2, torch.float32: 1e-5}``). The
+checks take models sharded by reffsdp or by torch's FSDP, either API.
 
 [Note: comparing shards]
 A sharded parameter is a DTensor; what a rank holds is ``param.to_local()``. The expected
@@ -156,9 +157,10 @@ def check_train_parity(
     and trains it, so the caller can inspect it afterwards. Parameters may be DTensors
     (compared shard by shard) or plain tensors (compared whole); a model wrapped with
     ``reffsdp.FullyShardedDataParallel`` is compared through its original parameters and
-    gradients, rebuilt whole from the flat shards (see :func:`unflattened_params`), and a
-    ``reffsdp.naive.NaiveFSDP`` through its parameters gathered whole
-    (:func:`naive_params`).
+    gradients, rebuilt whole from the flat shards (see :func:`unflattened_params`), another
+    implementation's (torch's) through its own ``summon_full_params``
+    (:func:`summoned_params`), and a ``reffsdp.naive.NaiveFSDP`` through its parameters
+    gathered whole (:func:`naive_params`).
 
     ``make_inputs(iteration, rank)`` returns one forward's inputs: a tensor, a tuple of
     positional arguments, or a dict of keyword arguments (``{"input_ids": ...,
@@ -578,6 +580,8 @@ def _param_problems(
     compare = _Comparison(tolerances, reductions, diffs)
     whole = unflattened_params(model, prefixes_to_ignore)
     if whole is None:
+        whole = summoned_params(model, prefixes_to_ignore)
+    if whole is None:
         whole = naive_params(model, prefixes_to_ignore)
     if whole is not None:
         return _unflattened_problems(ref_model, whole, compare)
@@ -886,6 +890,15 @@ def unflattened_params(
     group. Names are the original ones: ``_fsdp_wrapped_module.`` and each of
     ``prefixes_to_ignore`` are removed. Parameters the wrapper does not flatten (ignored
     ones) are taken as they are. Every rank must call this together.
+
+    This reads reffsdp's internals (its flat layout and shard group), and only reffsdp's
+    classes go this way; another implementation's wrapper is read through its public API
+    (:func:`summoned_params`). reffsdp's own ``summon_full_params`` would work here too,
+    but it gathers through the members and collectives the self-test plants bugs in (the
+    stale shard patches the members' all-gather input, which it uses as the forward's
+    all-gather does): what the checker saw would then pass through the bug it is to
+    catch. A plain ``dist.all_gather`` of the shards shares nothing with the code under
+    test.
     """
     from reffsdp import FlatParameter
     from reffsdp.wrapper.state import state_of
@@ -969,7 +982,11 @@ def _unflattened_problems(
     unflattened: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
     compare: _Comparison,
 ) -> list[str]:
-    ref_named = dict(ref_model.named_parameters())
+    # Activation checkpointing's wrapper prefix goes on either side (see summoned_params).
+    ref_named = {
+        name.replace(_CHECKPOINT_WRAPPED, ""): param for name, param in ref_model.named_parameters()
+    }
+    unflattened = {name.replace(_CHECKPOINT_WRAPPED, ""): v for name, v in unflattened.items()}
     if sorted(unflattened) != sorted(ref_named):
         return [
             f"parameter names differ: {sorted(set(unflattened) - set(ref_named))} only in the "
@@ -993,6 +1010,123 @@ def _unflattened_problems(
         if mismatch:
             problems.append(f"grad of {name!r} {where}: {mismatch}")
     return problems
+
+
+# -- another implementation's wrapper: full parameters through its summon_full_params -----
+
+_CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
+_FLAT_PARAM = "_flat_param"
+
+
+def is_wrapper_instance(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``FullyShardedDataParallel`` instance, whoever implemented
+    it: its class has ``summon_full_params`` and it holds a ``_fsdp_wrapped_module``."""
+    summon = getattr(type(module), "summon_full_params", None)
+    return callable(summon) and _WRAPPED_MODULE.rstrip(".") in module._modules
+
+
+def summoned_params(
+    model: nn.Module, prefixes_to_ignore: Sequence[str] = ()
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """``{name: (full parameter, full gradient or None)}`` of a model that holds
+    ``FullyShardedDataParallel`` instances of another implementation than reffsdp (torch's),
+    read through that implementation's public API; ``None`` if it holds none.
+
+    [Note: another implementation's wrapper]
+    The checker knows nothing of another wrapper's internals, only the API both wrappers
+    share: ``type(instance).summon_full_params(model, ...)``, a classmethod that makes
+    every instance in ``model`` show its original parameters whole, and the names of the
+    parameters it shows. Those are cloned inside the context and compared as reffsdp's
+    unflattened ones are. Gradients:
+
+    * with ``use_orig_params=True`` the same call with ``with_grads=True`` shows them;
+    * with flat parameters it refuses ``with_grads`` (torch's does), but a flat gradient
+      shard has its flat parameter's layout, being its gradient. So each flat parameter's
+      shard is saved, overwritten with its gradient (zeros where it has none) and
+      summoned: the original parameters then show the gradients, cut and unpadded by the
+      implementation itself. The shards are put back in a ``finally``, bit for bit. A
+      gradient is ``None`` when its flat parameter's is ``None`` on every rank.
+
+    Flat parameters are told by their name, ``_flat_param``, as both wrappers call it; the
+    others are taken as they are (ignored parameters, a root left unwrapped). Names lose
+    ``_fsdp_wrapped_module.`` and each of ``prefixes_to_ignore``. Unlike reffsdp's private
+    path (see [Note: unflattening for a check]) this shows whatever the implementation's
+    own all-gather returns, so a bug in it could shape the checker's view too; the losses,
+    computed from that all-gather's output in every forward, still catch a wrong one.
+    Every rank must call this together.
+    """
+    wrappers = [module for module in model.modules() if is_wrapper_instance(module)]
+    if not wrappers:
+        return None
+    summon = type(wrappers[0]).summon_full_params
+    prefixes = (_WRAPPED_MODULE, *prefixes_to_ignore)
+    flat = [
+        (_strip_prefixes(name, prefixes), param)
+        for name, param in model.named_parameters()
+        if name.rsplit(".", 1)[-1] == _FLAT_PARAM
+    ]
+    if not flat:
+        with summon(model, writeback=False, with_grads=True):
+            return {
+                _strip_prefixes(name, prefixes): (param.detach().clone(), _clone(param.grad))
+                for name, param in model.named_parameters()
+            }
+    outside = {  # parameters no flat parameter holds, e.g. ignored ones
+        _strip_prefixes(name, prefixes): (param.detach().clone(), _clone(param.grad))
+        for name, param in model.named_parameters()
+        if name.rsplit(".", 1)[-1] != _FLAT_PARAM
+    }
+    has_grad = [param.grad is not None for _, param in flat]
+    flags = torch.tensor(has_grad, dtype=torch.float32, device=_flag_device())
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    params = _summoned(summon, model, prefixes)
+    grads = _summoned_flat_grads(summon, model, prefixes, [param for _, param in flat])
+    owners = [name[: -len(_FLAT_PARAM)] for name, _ in flat]  # module paths, "" or "0."
+    entries: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for name, value in params.items():
+        if name in outside:
+            entries[name] = outside[name]
+            continue
+        owner = max(  # the innermost instance whose module holds the parameter
+            (i for i, path in enumerate(owners) if name.startswith(path)),
+            key=lambda i: len(owners[i]),
+        )
+        entries[name] = (value, grads[name] if flags[owner].item() else None)
+    return entries
+
+
+def _summoned(summon: Callable, model: nn.Module, prefixes: Sequence[str]) -> dict:
+    """``{name: full value}`` of every parameter ``summon(model)`` shows, cloned."""
+    with summon(model, writeback=False):
+        return {
+            _strip_prefixes(name, prefixes): param.detach().clone()
+            for name, param in model.named_parameters()
+            if name.rsplit(".", 1)[-1] != _FLAT_PARAM
+        }
+
+
+def _summoned_flat_grads(
+    summon: Callable, model: nn.Module, prefixes: Sequence[str], flat: list[nn.Parameter]
+) -> dict:
+    """The flat parameters' gradients, summoned in their place; see
+    [Note: another implementation's wrapper]."""
+    kept = [param.detach().clone() for param in flat]
+    try:
+        with torch.no_grad():
+            for param in flat:
+                if param.grad is None:
+                    param.zero_()
+                else:
+                    param.copy_(param.grad)
+        return _summoned(summon, model, prefixes)
+    finally:
+        with torch.no_grad():
+            for param, value in zip(flat, kept):
+                param.copy_(value)
+
+
+def _clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach().clone()
 
 
 # -- reffsdp.naive: parameters gathered whole from their slices -----------------------------
