@@ -10,10 +10,11 @@
   copies and shards it (threads of the threaded harness share one RNG, so two ranks that
   build "the same" model get different weights).
 
-Default tolerances are derived from the dtype and the number of ranks summed (see
-[Note: default tolerances] in :mod:`reffsdp.testing.tolerances`); ``rtol``/``atol`` set
-them, for every dtype or per dtype (``{torch.bfloat16: 1e-2, torch.float32: 1e-5}``). The
-checks take models sharded by reffsdp or by torch's FSDP, either API.
+Default tolerances are derived from the dtype, the reduce dtype the sharded model declares
+and the number of ranks summed (see [Note: default tolerances] in
+:mod:`reffsdp.testing.tolerances`); ``rtol``/``atol`` set them, for every dtype or per dtype
+(``{torch.bfloat16: 1e-2, torch.float32: 1e-5}``). The checks take models sharded by reffsdp
+or by torch's FSDP, either API.
 
 [Note: comparing shards]
 A sharded parameter is a DTensor; what a rank holds is ``param.to_local()``. The expected
@@ -59,7 +60,7 @@ from reffsdp.core.autograd_hooks import map_tensors
 from . import preflight
 from .expected_comms import COUNT_KEYS, CommTally
 from .patching import observe_collectives
-from .tolerances import Tolerance, Tolerances
+from .tolerances import Tolerance, Tolerances, model_reduce_dtype
 
 _MAX_REPORTED_PROBLEMS = 10
 
@@ -88,7 +89,7 @@ def check_sharded_parity(
     by default derived from the dtype and the world size (see
     [Note: default tolerances] in :mod:`reffsdp.testing.tolerances`).
     """
-    tolerances = Tolerances(rtol, atol, world_size=dist.get_world_size())
+    tolerances = _tolerances(rtol, atol, sharded_model)
     problems = _param_problems(
         ref_model, sharded_model, prefixes_to_ignore, require_dtensor=True, tolerances=tolerances
     )
@@ -109,7 +110,7 @@ def check_state_dict_parity(
     with ``full_tensor()``; buffers compare as they are. Fails like
     :func:`check_sharded_parity`, and every rank of the default group must call it together.
     """
-    tolerances = Tolerances(rtol, atol, world_size=dist.get_world_size())
+    tolerances = _tolerances(rtol, atol, sharded_model)
     state_dict, ref_state_dict = sharded_model.state_dict(), ref_model.state_dict()
     names, ref_names = list(state_dict), list(ref_state_dict)
     name_problems = [] if names == ref_names else [_name_mismatch(names, ref_names)]
@@ -178,8 +179,9 @@ def check_train_parity(
     model and ``ddp.no_sync()`` for the reference. Checked: parameters before training;
     every microbatch's loss; gradients after backward; parameters after the optimizer step.
     ``rtol``/``atol`` (one number, or one per dtype) replace the default tolerance, which
-    grows with the dtype's epsilon, the world size, the microbatches and the steps taken
-    (see [Note: default tolerances] in :mod:`reffsdp.testing.tolerances`).
+    grows with the dtype's epsilon (or that of the reduce dtype ``sharded_model``
+    declares, where it has less precision), the world size, the microbatches and the
+    steps taken (see [Note: default tolerances] in :mod:`reffsdp.testing.tolerances`).
 
     Optional structure checks, made before training: ``block_types``, the classes of the
     blocks the caller shards on their own, fail the check when they match no module of
@@ -199,9 +201,7 @@ def check_train_parity(
     unsharded = preflight.unsharded_blocks_message(sharded_model, block_types)
     if unsharded:
         _fail(test_case, f"check_train_parity, before training: {unsharded}")
-    tolerances = Tolerances(
-        rtol, atol, world_size=dist.get_world_size(), num_microbatches=num_microbatches
-    )
+    tolerances = _tolerances(rtol, atol, sharded_model, num_microbatches)
     other_weights = preflight.ranks_with_other_weights(ref_model)
     run = _TrainParityRun(
         test_case,
@@ -229,6 +229,20 @@ def check_train_parity(
         error.parity = run.diffs  # type: ignore[attr-defined]
         raise
     return TrainParity(step_losses, run.diffs.agreed())
+
+
+def _tolerances(
+    rtol: Tolerance, atol: Tolerance, sharded_model: nn.Module, num_microbatches: int = 1
+) -> Tolerances:
+    """The caller's tolerances, with defaults for this world and for the reduce dtype the
+    sharded model declares (point 6 of [Note: default tolerances])."""
+    return Tolerances(
+        rtol,
+        atol,
+        world_size=dist.get_world_size(),
+        num_microbatches=num_microbatches,
+        reduce_dtype=model_reduce_dtype(sharded_model),
+    )
 
 
 class _TrainParityRun:

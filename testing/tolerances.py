@@ -54,8 +54,65 @@ them; it is not a fixed number that a larger world or a larger loss outgrows.
    far. It grows only with differences the checks have already accepted, and is zero at
    step 0, where both models start from the same weights.
 
+6. Mixed precision. ``eps`` above is that of the dtype compared, unless the sharded model
+   reduces its gradients in a dtype of less precision: then it is the reduce dtype's. The
+   reduce dtype is the one the model *declares*, read from its FSDP modules whoever
+   implemented them (:func:`declared_mixed_precision`): the policy's ``reduce_dtype``, or
+   when unset the dtype the API falls back to, ``param_dtype`` for the wrapper and, for
+   ``fully_shard``, the compute dtype up to torch 2.14 and the parameter's own from 2.15
+   (entry 5 of [Note: torch versions] in ``reffsdp/core/compat.py``).
+
+   a. The reduce dtype's rounding. Each rank's gradient ``g_i`` is cast to the reduce
+      dtype (an error of at most ``u_r |g_i|``, ``u_r = eps_r / 2``), summed in it along
+      the tree (``W - 1`` roundings), scaled (2) and accumulated over microbatches
+      (``M - 1``), then cast back exactly; DDP does the same in fp32, whose roundings are
+      ``2 ** 16`` (bf16) or ``2 ** 13`` (fp16) times smaller. Relative to
+      ``mean(|g_i|)`` as in point 2 that is at most ``(W + M + 1) * u_r``, below
+      ``n * u_r`` for every ``W`` and ``M`` (``n - (W + M + 1) = W + M - 1 >= 1``), so
+      point 2's ``n`` with ``eps_r`` in place of ``eps`` bounds it, with room for the
+      reference's fp32 roundings. Below the reduce dtype's smallest normal number a
+      rounding is absolute, up to half its smallest subnormal (``3e-8`` for fp16,
+      ``5e-41`` for bf16), so the default ``atol`` also adds ``2 ** k * n`` smallest
+      subnormals: it matters only for fp16 gradients under ``6e-5``.
+   b. An fp32-asked reduction done in bf16 still fails. The tolerance follows what the
+      model asked for, never what it did: a gradient reduced in bf16 carries errors of
+      ``u_bf16 = 3.9e-3`` of its magnitude from the cast alone, while the fp32 default of
+      step 0 allows ``2 * n * eps_fp32``, ``1.4e-6`` at 2 ranks and ``2.4e-6`` at 4, over
+      a thousand times less. Reading the dtype reffsdp reduced in (its group's reduce
+      step) would widen the tolerance with the bug, and the self-test's "mixed-precision
+      reduce in the wrong dtype" would pass.
+   c. What the param dtype adds: nothing beyond being the reduce dtype's fallback. A
+      parity check of a model that computes in ``param_dtype`` compares it with a
+      reference that computes in the same dtype
+      (:class:`~reffsdp.testing.parity.LowPrecisionCompute`): at step 0 both cast the same
+      fp32 weights to the same low-precision values and compute the same forward and
+      backward, so each rank's local gradients are the same numbers on both sides and
+      only the reductions differ, as in a. After a step the fp32 weights differ by the
+      drift ``dw`` the checks accepted, and their casts agree except where a rounding
+      boundary of ``param_dtype`` lies between the two: a whole step of that dtype, like
+      an fp8 code flip (point c of [Note: quantized weights]), rare, the same on every
+      run, and remedied by another seed. A reference that computes in fp32 next to a
+      model that computes in bf16 differs by bf16 roundings of every operation, set by
+      the model's depth rather than by any reduction; no default derives that, so give
+      it ``rtol``/``atol``.
+   d. One tolerance for the whole model: a loss depends on every parameter, so the model's
+      reduce dtype is the one of least precision over its FSDP modules
+      (:func:`model_reduce_dtype`). ``param_dtype_override_fn`` can only keep a parameter
+      in its own dtype instead of ``param_dtype``; the checker does not call it again and
+      takes ``param_dtype`` for each module that declares one, so a module whose every
+      parameter is overridden is held to ``param_dtype``'s tolerance, wider than needed.
+
+   The allowance grows with the steps as in point 4, so a bf16 reduction's check is as
+   sharp as its first steps: at 4 ranks step 0 allows ``2 * 10 * 7.8e-3``, 16% of a
+   gradient's largest magnitude, enough for a wrong divide factor; a bug smaller than
+   that shows only under an fp32 reduction. Measured (``MLPStack(16)``, 5 steps, threaded
+   ranks, ``reduce_dtype`` alone set): the largest difference reached 6% of its allowance
+   on 2 ranks in bf16, 20% on 4 ranks in bf16 and 4% on 4 ranks in fp16; torch's
+   ``fully_shard`` and both wrappers differ from DDP by the same numbers as reffsdp's
+   ``fully_shard``.
+
 So the default is ``2 ** min(k, 6) * n * eps * max |expected|``, plus point 5's allowance
-for a loss.
+for a loss (and point 6a's subnormals for a narrower reduce dtype).
 
 Worked example: W = 4 ranks, fp32, one microbatch, HSDP over 2 replicas of 2-rank shard
 groups. DDP sums a gradient element of the four ranks as ``((g1 + g2) + g3) + g4``
@@ -123,8 +180,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 import torch
+import torch.nn as nn
+
+from reffsdp.core.compat import fully_shard_default_reduce_dtype
 
 # One number for every dtype, or one per dtype; None: the derived default.
 Tolerance = float | Mapping[torch.dtype, float] | None
@@ -151,10 +212,15 @@ def reduction_roundings(world_size: int, num_microbatches: int = 1) -> int:
 
 
 def default_tolerance(
-    dtype: torch.dtype, world_size: int, num_microbatches: int = 1, reductions: int = 1
+    dtype: torch.dtype,
+    world_size: int,
+    num_microbatches: int = 1,
+    reductions: int = 1,
+    reduce_dtype: torch.dtype | None = None,
 ) -> float:
     """The normwise tolerance of [Note: default tolerances]: ``2 ** reductions * n * eps``
-    (``reductions`` from 1 to ``MAX_DOUBLINGS``).
+    (``reductions`` from 1 to ``MAX_DOUBLINGS``), with ``eps`` that of ``dtype`` or of
+    ``reduce_dtype``, whichever has less precision (point 6).
 
     >>> f"{default_tolerance(torch.float32, 4):.3g}"  # the gradients of step 0
     '2.38e-06'
@@ -163,12 +229,49 @@ def default_tolerance(
     >>> default_tolerance(torch.float32, 4, reductions=50) == default_tolerance(
     ...     torch.float32, 4, reductions=6)  # a long run keeps step 5's allowance
     True
+    >>> f"{default_tolerance(torch.float32, 4, reduce_dtype=torch.bfloat16):.3g}"  # 2*10*2**-7
+    '0.156'
     """
     if not dtype.is_floating_point:
         return 0.0
-    eps = torch.finfo(dtype).eps
-    growth = 2 ** min(max(reductions, 1), MAX_DOUBLINGS)
-    return growth * reduction_roundings(world_size, num_microbatches) * eps
+    eps = torch.finfo(_least_precise(dtype, reduce_dtype)).eps
+    return _growth(reductions) * reduction_roundings(world_size, num_microbatches) * eps
+
+
+def subnormal_floor(
+    dtype: torch.dtype,
+    world_size: int,
+    num_microbatches: int = 1,
+    reductions: int = 1,
+    reduce_dtype: torch.dtype | None = None,
+) -> float:
+    """The absolute part of the default (point 6a of [Note: default tolerances]):
+    ``2 ** reductions * n`` smallest subnormals of ``reduce_dtype`` when it has less
+    precision than ``dtype``, else 0.
+
+    >>> f"{subnormal_floor(torch.float32, 2, reduce_dtype=torch.float16):.3g}"  # 2*6*2**-24
+    '7.15e-07'
+    >>> subnormal_floor(torch.float32, 2, reduce_dtype=torch.float32)
+    0.0
+    """
+    if not dtype.is_floating_point or _least_precise(dtype, reduce_dtype) == dtype:
+        return 0.0
+    info = torch.finfo(reduce_dtype)
+    smallest_subnormal = info.smallest_normal * info.eps
+    growth = _growth(reductions)
+    return growth * reduction_roundings(world_size, num_microbatches) * smallest_subnormal
+
+
+def _growth(reductions: int) -> int:
+    return 2 ** min(max(reductions, 1), MAX_DOUBLINGS)  # point 4 of the note
+
+
+def _least_precise(dtype: torch.dtype, other: torch.dtype | None) -> torch.dtype:
+    """``other`` if it is a floating dtype with a larger epsilon than ``dtype``'s, else
+    ``dtype``."""
+    if other is None or not other.is_floating_point:
+        return dtype
+    return other if torch.finfo(other).eps > torch.finfo(dtype).eps else dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,13 +280,15 @@ class Tolerances:
 
     ``rtol``/``atol`` are the caller's (see :data:`Tolerance`); where they name no value for
     a dtype, the default of [Note: default tolerances] for ``world_size`` ranks and
-    ``num_microbatches`` applies.
+    ``num_microbatches`` applies, widened to ``reduce_dtype``'s precision where that has
+    less (the sharded model's, :func:`model_reduce_dtype`; point 6 of the note).
     """
 
     rtol: Tolerance = None
     atol: Tolerance = None
     world_size: int = 1
     num_microbatches: int = 1
+    reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("rtol", "atol"):
@@ -226,11 +331,70 @@ class Tolerances:
             return 0.0, 0.0
         # Non-finite values must match exactly (NaN with NaN): they set no scale.
         magnitude = whole.detach().abs().nan_to_num(0.0, 0.0, 0.0).max().item()
-        tol = default_tolerance(expected.dtype, self.world_size, self.num_microbatches, reductions)
-        return 0.0, tol * magnitude
+        how = (self.world_size, self.num_microbatches, reductions, self.reduce_dtype)
+        tol = default_tolerance(expected.dtype, *how)
+        return 0.0, tol * magnitude + subnormal_floor(expected.dtype, *how)
 
 
 def _pick(value: Tolerance, dtype: torch.dtype) -> float | None:
     if isinstance(value, Mapping):
         return value.get(dtype)
     return value
+
+
+# -- the sharded model's declared mixed precision (point 6 of the note) --------------------
+
+
+def declared_mixed_precision(module: nn.Module) -> tuple[str, Any] | None:
+    """The mixed-precision policy ``module`` was sharded with: ``("wrapper", policy)`` for
+    a ``FullyShardedDataParallel`` instance, ``("fully_shard", policy)`` for a module
+    ``fully_shard`` was called on, ``None`` for any other module.
+
+    Read by duck typing, the same for reffsdp's classes and torch's (the parity checks'
+    one read of a private attribute of torch's FSDP, kept here so that it can move):
+
+    * a wrapper instance (a module with a ``_fsdp_wrapped_module`` child): its
+      ``mixed_precision``, a ``MixedPrecision``; reffsdp's is a property over the
+      instance's settings, torch's an attribute its constructor sets (both hold
+      ``MixedPrecision()`` when none was given);
+    * a ``fully_shard`` module (one with ``_get_fsdp_state()``): the state's policy, a
+      ``MixedPrecisionPolicy``: ``mp_policy`` on reffsdp's ``FSDPState``, ``_mp_policy``
+      (private) on torch's.
+    """
+    if "_fsdp_wrapped_module" in module._modules and hasattr(module, "mixed_precision"):
+        return "wrapper", module.mixed_precision
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if callable(get_state):
+        state = get_state()
+        policy = getattr(state, "mp_policy", None) or getattr(state, "_mp_policy", None)
+        if policy is not None:
+            return "fully_shard", policy
+    return None
+
+
+def model_reduce_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of least precision that ``model``'s FSDP modules declare to reduce a
+    gradient in, narrower than the gradient's own; ``None`` when every gradient is reduced
+    in its own dtype (point 6 of [Note: default tolerances]).
+
+    Unset, the reduce dtype falls back as each API does: the wrapper to ``param_dtype``,
+    ``fully_shard`` to the compute dtype up to torch 2.14 and to the gradient's own dtype
+    from 2.15 (:func:`reffsdp.core.compat.fully_shard_default_reduce_dtype`).
+    """
+    found: torch.dtype | None = None
+    for module in model.modules():
+        declared = declared_mixed_precision(module)
+        if declared is None:
+            continue
+        api, policy = declared
+        for param in module.parameters():
+            if not param.is_floating_point():
+                continue
+            reduce_dtype = policy.reduce_dtype
+            if reduce_dtype is None and api == "wrapper":
+                reduce_dtype = policy.param_dtype
+            elif reduce_dtype is None:
+                reduce_dtype = fully_shard_default_reduce_dtype(policy.param_dtype, param.dtype)
+            if _least_precise(param.dtype, reduce_dtype) != param.dtype:
+                found = reduce_dtype if found is None else _least_precise(found, reduce_dtype)
+    return found
