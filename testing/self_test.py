@@ -1,14 +1,21 @@
-"""The parity suite's self-test: plant known bugs in reffsdp and check the suite fails.
+"""The parity suite's self-test: plant known bugs and check the suite fails.
 
 A passing parity suite means something only if a broken FSDP makes it fail. Each bug below
-is planted by patching one reffsdp internal (the last one: the test's own fp8 weight) for
-the length of a scenario (process-wide, so every rank thread sees it; in process backends
-each rank process patches itself), never by editing reffsdp. Each runs against both APIs
-(the last one against ``fully_shard`` alone), on a scenario that trains an uneven-width MLP
-(so padding is exercised) on the 1-D mesh, and must make that scenario fail; the result
-names the check that caught it (losses, gradients, parameters, counts or bytes).
+is planted for the length of a scenario (process-wide, so every rank thread sees it; in
+process backends each rank process plants it in itself), never by editing an
+implementation. Each runs against both APIs (the last one against ``fully_shard`` alone),
+on a scenario that trains an uneven-width MLP (so padding is exercised) on the 1-D mesh,
+and must make that scenario fail; the result names the check that caught it (losses,
+gradients, parameters, counts or bytes).
 
-The planted bugs, and the seam each uses:
+[Note: which implementations a bug is planted in]
+A bug that patches reffsdp internals exists only in reffsdp, so it is planted only when the
+suite tests reffsdp. The others hold for any FSDP implementation (``ANY``): the faults in
+the process group under every implementation's collectives (see [Note: where the faults
+sit] in :mod:`reffsdp.testing.planted_faults`) and the test's own fp8 weight. Under
+``--impl torch`` (or any implementation but reffsdp) the self-test plants those alone.
+
+The planted bugs, and the seam each uses. In reffsdp:
 
 * wrong gradient divide factor: ``collectives.plan_reduction`` plans a plain sum;
 * skipped reduce-scatter: ``comms.reduce_scatter`` leaves each rank its own chunk;
@@ -17,12 +24,24 @@ The planted bugs, and the seam each uses:
 * mixed-precision reduce in the wrong dtype: ``ParamGroup._reduce_spec`` reduces in the
   compute dtype (bf16) where the policy asks for fp32;
 * missing all-gather prefetch: a prefetched all-gather is dropped at the group's
-  pre-backward, which gathers again (the numbers stay right; only the counts change);
+  pre-backward, which gathers again (the numbers stay right; only the counts change).
+
+In the process group, under any implementation (every collective still runs as issued, so
+the counts and bytes stay right; only what the ranks receive is wrong):
+
+* the reduce-scatter result comes back scaled by the group size;
+* rank 0's gradients never reach the reduce-scatter (it sends zeros);
+* the reduce-scatter leaves each rank its own chunk, unreduced;
+* rank 0's shard never reaches the all-gather (it sends zeros);
+* each all-gather returns the previous all-gather's result of the same shape.
+
+In the test's own weight class, under any implementation:
+
 * post-all-gather hook ignores ``out=`` (``fully_shard`` only, on the ``fp8-gather``
   scenario): :class:`~reffsdp.testing.low_precision.Float8GatherWeight` returns without
   refilling the unsharded weight, so every all-gather after the first leaves it holding
-  what its storage held (stale or freed-and-regrown). This one patches the test's own
-  subclass, not reffsdp, so it holds any FSDP to the all-gather extension contract.
+  what its storage held (stale or freed-and-regrown). This holds any FSDP to the all-gather
+  extension contract.
 """
 
 from __future__ import annotations
@@ -38,8 +57,12 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from . import planted_faults
 from .suite_backends import iter_results
 from .suite_scenarios import APIS, ScenarioSpec
+
+REFFSDP = "reffsdp"  # the implementation whose internals the reffsdp-only bugs patch
+ANY = "any"  # a bug planted whatever the implementation
 
 
 @dataclasses.dataclass
@@ -202,6 +225,12 @@ class PlantedBug:
     plant: Callable[[], AbstractContextManager[Any]]
     feature: str = "fp32"  # the scenario feature it needs
     apis: tuple[str, ...] = APIS  # those whose scenario has the feature
+    impl: str = REFFSDP  # the implementation it exists in, or ANY
+
+    def applies_to(self, impl: str) -> bool:
+        """Whether the bug is planted when the suite tests ``impl`` (see [Note: which
+        implementations a bug is planted in])."""
+        return self.impl in (ANY, impl)
 
 
 BUGS: tuple[PlantedBug, ...] = (
@@ -212,10 +241,32 @@ BUGS: tuple[PlantedBug, ...] = (
     PlantedBug("mixed-precision reduce in the wrong dtype", _reduce_in_compute_dtype, "bf16"),
     PlantedBug("missing all-gather prefetch", _drop_backward_prefetch),
     PlantedBug(
+        "reduce-scatter result scaled by the group size",
+        planted_faults.reduce_scatter_scaled,
+        impl=ANY,
+    ),
+    PlantedBug(
+        "reduce-scatter drops rank 0's gradients",
+        planted_faults.reduce_scatter_drops_a_rank,
+        impl=ANY,
+    ),
+    PlantedBug(
+        "reduce-scatter skipped, each rank keeps its own chunk",
+        planted_faults.reduce_scatter_skipped,
+        impl=ANY,
+    ),
+    PlantedBug("all-gather drops rank 0's shard", planted_faults.all_gather_drops_a_rank, impl=ANY),
+    PlantedBug(
+        "all-gather returns the previous call's result",
+        planted_faults.all_gather_stale,
+        impl=ANY,
+    ),
+    PlantedBug(
         "post-all-gather hook ignores out=",
         _post_all_gather_ignores_out,
         "fp8-gather",
         ("fully_shard",),
+        impl=ANY,
     ),
 )
 
@@ -236,9 +287,27 @@ def self_test_spec(bug: PlantedBug, api: str) -> ScenarioSpec:
 # -- running --------------------------------------------------------------------------------
 
 
-def list_self_test(options: Any) -> list[tuple[str, str]]:
-    """``(bug, api)`` of every planted bug :func:`iter_self_test` runs, in its order."""
-    return [(bug.name, api) for bug in BUGS for api in _apis_of(bug, options)]
+def list_self_test(options: Any, *, impl: Any = None) -> list[tuple[str, str]]:
+    """``(bug, api)`` of every planted bug :func:`iter_self_test` runs, in its order.
+
+    ``impl``: the implementation under test, by its ``--impl`` name (``"reffsdp"``,
+    ``"torch"``, a module path) or any object with that ``name``; by default
+    ``options.impl`` where the options have one, else reffsdp. Only reffsdp gets the bugs
+    that patch reffsdp internals.
+    """
+    impl_name = _impl_name(options, impl)
+    return [(bug.name, api) for bug in _bugs_for(impl_name) for api in _apis_of(bug, options)]
+
+
+def _impl_name(options: Any, impl: Any) -> str:
+    chosen = impl if impl is not None else getattr(options, "impl", None)
+    if chosen is None:
+        return REFFSDP
+    return chosen if isinstance(chosen, str) else chosen.name
+
+
+def _bugs_for(impl_name: str) -> list[PlantedBug]:
+    return [bug for bug in BUGS if bug.applies_to(impl_name)]
 
 
 def _self_test_apis(options: Any) -> tuple[str, ...]:
@@ -253,22 +322,24 @@ def _apis_of(bug: PlantedBug, options: Any) -> list[str]:
     return [api for api in _self_test_apis(options) if api in bug.apis]
 
 
-def iter_self_test(options: Any) -> Iterator[SelfTestResult]:
-    """Plant every bug against each API of ``options.api`` (all when empty) on
-    ``options.backend``; each must make its scenario fail. Yields each bug's outcome as it
-    finishes, in :func:`list_self_test`'s order.
+def iter_self_test(options: Any, *, impl: Any = None) -> Iterator[SelfTestResult]:
+    """Plant every bug that applies to ``impl`` (see :func:`list_self_test`) against each
+    API of ``options.api`` (all when empty) on ``options.backend``; each must make its
+    scenario fail. Yields each bug's outcome as it finishes, in :func:`list_self_test`'s
+    order.
 
     The unpatched scenarios run first: a bug counts as caught only when the same scenario
     passes without it.
     """
+    bugs = _bugs_for(_impl_name(options, impl))
     steps = max(2, options.steps)  # a stale shard shows from the second step on
     options = dataclasses.replace(options, steps=steps)
     baseline_specs = sorted(
-        {self_test_spec(bug, api) for bug in BUGS for api in _apis_of(bug, options)},
+        {self_test_spec(bug, api) for bug in bugs for api in _apis_of(bug, options)},
         key=lambda s: s.name,
     )
     baseline = {result.name: result for result in iter_results(baseline_specs, options)}
-    for bug in BUGS:
+    for bug in bugs:
         specs = [self_test_spec(bug, api) for api in _apis_of(bug, options)]
         if not specs:
             continue
@@ -299,11 +370,13 @@ def _verdict(spec: ScenarioSpec, clean: Any, planted: Any) -> tuple[bool, str]:
 def run_self_test(
     options: Any,
     on_result: Callable[[SelfTestResult], None] | None = None,
+    *,
+    impl: Any = None,
 ) -> list[SelfTestResult]:
-    """Every outcome of :func:`iter_self_test`; ``on_result`` is called in this process as
-    each bug finishes."""
+    """Every outcome of :func:`iter_self_test` (for ``impl``, as there); ``on_result`` is
+    called in this process as each bug finishes."""
     results = []
-    for outcome in iter_self_test(options):
+    for outcome in iter_self_test(options, impl=impl):
         results.append(outcome)
         if on_result is not None:
             on_result(outcome)

@@ -185,7 +185,7 @@ def test_a_wrong_expectation_fails_a_scenario_whose_numbers_match(monkeypatch, k
 
 def test_every_planted_bug_is_caught_by_the_check_expected():
     results = run_self_test(SuiteOptions())
-    assert len(results) == 13
+    assert len(results) == 23
     by_bug = {}
     for result in results:
         assert result.caught, (result.bug, result.api, result.caught_by)
@@ -201,6 +201,12 @@ def test_every_planted_bug_is_caught_by_the_check_expected():
         "wrong padding on an uneven shard": {"gradients"},
         "mixed-precision reduce in the wrong dtype": {"gradients"},
         "missing all-gather prefetch": {"counts"},
+        # in the process group: the collectives are as issued, the numbers are not
+        "reduce-scatter result scaled by the group size": {"gradients"},
+        "reduce-scatter drops rank 0's gradients": {"gradients"},
+        "reduce-scatter skipped, each rank keeps its own chunk": {"gradients"},
+        "all-gather drops rank 0's shard": {"losses"},
+        "all-gather returns the previous call's result": {"losses"},
     }
 
 
