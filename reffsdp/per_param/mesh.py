@@ -161,7 +161,7 @@ class SpmdDims:
         """Refuse a parameter FSDP cannot shard on this mesh (see [Note: SPMD meshes])."""
         if not isinstance(param, DTensor):
             raise ValueError(
-                f"with dp_mesh_dims every parameter must be a DTensor on the mesh passed to "
+                "with dp_mesh_dims, parameters must be DTensors on the mesh passed to "
                 f"fully_shard, but {name} is a plain tensor; distribute it first (e.g. "
                 "distribute_tensor(param, mesh, [Replicate(), ...]))"
             )
@@ -181,8 +181,9 @@ class SpmdDims:
         for dim in sorted(self.dp_dims):
             if not isinstance(param.placements[dim], Replicate):
                 raise ValueError(
-                    f"{name} must be Replicate() on data-parallel mesh dim {names[dim]!r}, "
-                    f"got {param.placements[dim]}"
+                    f"Expected Replicate() placement of {name} on data-parallel mesh dim "
+                    f"{names[dim]!r}, got {param.placements[dim]}: fully_shard shards it there "
+                    "itself"
                 )
         if len(self.shard_dims) > 1:
             pieces = self._non_dp_shards(param.placements, shard_dim, after=-1)

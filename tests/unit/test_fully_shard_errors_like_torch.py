@@ -182,6 +182,38 @@ def test_spmd_param_on_an_equal_but_different_mesh(mesh):
     )
 
 
+def test_spmd_param_sharded_on_a_data_parallel_dim(dp_tp):
+    """A parameter already sharded on a data-parallel dim is refused: FSDP shards it there."""
+
+    def sharded_on_dp() -> nn.Linear:
+        module = spmd_linear(dp_tp)
+        weight = module.weight.detach().full_tensor()
+        module.weight = nn.Parameter(DTensor.from_local(weight[:2], dp_tp, [Shard(0), Replicate()]))
+        return module
+
+    dims = dict(shard="dp")
+    check_like_torch(
+        ValueError,
+        "Expected Replicate",
+        lambda: fully_shard(sharded_on_dp(), mesh=dp_tp, dp_mesh_dims=DataParallelMeshDims(**dims)),
+        (lambda: torch_fully_shard(sharded_on_dp(), mesh=dp_tp, dp_mesh_dims=torch_dims(**dims)))
+        if TORCH_FULLY_SHARD_HAS_PER_PARAM_MESHES
+        else None,
+    )
+
+
+def test_spmd_plain_tensor_param(dp_tp):
+    dims = dict(shard="dp")
+    check_like_torch(
+        ValueError,
+        "must be DTensors",
+        lambda: fully_shard(nn.Linear(4, 4), mesh=dp_tp, dp_mesh_dims=DataParallelMeshDims(**dims)),
+        (lambda: torch_fully_shard(nn.Linear(4, 4), mesh=dp_tp, dp_mesh_dims=torch_dims(**dims)))
+        if TORCH_FULLY_SHARD_HAS_PER_PARAM_MESHES
+        else None,
+    )
+
+
 def test_data_parallel_mesh_dims_names_nothing():
     check_like_torch(
         ValueError,
