@@ -193,7 +193,7 @@ class TestDpMeshDims2D(DpMeshDimsMixin, FSDPTestMultiThread):
                 fully_shard(linear(replicated), **{"mesh": mesh, **kwargs})
         with self.assertRaisesRegex(ValueError, "plain tensor"):
             fully_shard(linear(), mesh=mesh, dp_mesh_dims=shard)
-        with self.assertRaisesRegex(ValueError, "Replicate\\(\\) on data-parallel mesh dim"):
+        with self.assertRaisesRegex(ValueError, "Expected Replicate\\(\\) placement"):
             fully_shard(linear([Shard(0), Replicate()]), mesh=mesh, dp_mesh_dims=shard)
         other = spmd_mesh(dp_shard=2, other=TP)
         module = linear()
