@@ -159,9 +159,9 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
             )
         if state_of(m) is not None:
             raise AssertionError(
-                f"fully_shard has already been applied to {type(m).__name__}: fully_shard can "
-                "only be applied to a module once; to change its settings, use the "
-                "FSDPModule setters (e.g. set_reshard_after_forward)"
+                f"fully_shard has already been applied to {type(m).__name__}. Each distinct "
+                "composable distributed API can only be applied to a module once. To change "
+                "its settings, use the FSDPModule setters (e.g. set_reshard_after_forward)"
             )
 
 

@@ -71,6 +71,26 @@ def test_applied_twice(mesh):
     )
 
 
+def test_applied_twice_in_two_statements(mesh):
+    """Sharding a module that is already sharded, in a second statement, states torch's
+    phrase for any composable API applied twice."""
+
+    def again(shard):
+        def call():
+            module = nn.Linear(4, 4)
+            shard(module, mesh=mesh)
+            shard(module, mesh=mesh)
+
+        return call
+
+    check_like_torch(
+        AssertionError,
+        "Each distinct composable distributed API can only be applied to a module once.",
+        again(fully_shard),
+        again(torch_fully_shard),
+    )
+
+
 @pytest.mark.parametrize("container", [nn.ModuleList, nn.ModuleDict])
 def test_container_without_forward(mesh, container):
     def build() -> nn.Module:
