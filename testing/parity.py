@@ -887,32 +887,35 @@ def _none_or_set(tensor: torch.Tensor | None) -> str:
 _WRAPPED_MODULE = "_fsdp_wrapped_module."
 
 
+# [Note: unflattening for a check]
+# Each instance's flat parameter is sharded over its shard group (one rank for NO_SHARD,
+# the intra-replica group for the hybrid strategies). Its local shards, and the flat
+# gradient shards (``FlatParameter.grad``, or with ``use_orig_params=True`` the sharded
+# 1-D gradient of each original parameter put back at its offset in the shard), are
+# all-gathered with a plain ``dist.all_gather`` (not through reffsdp's collectives, so a
+# bug planted there does not reach the checker) and cut into the original parameters by
+# the flat layout. A gradient is ``None`` when it is ``None`` on every rank of the shard
+# group. Names are the original ones: ``_fsdp_wrapped_module.`` and each of
+# ``prefixes_to_ignore`` are removed. Parameters the wrapper does not flatten (ignored
+# ones) are taken as they are. Every rank must call this together.
+#
+# This reads reffsdp's internals (its flat layout and shard group), and only reffsdp's
+# classes go this way; another implementation's wrapper is read through its public API
+# (:func:`summoned_params`). reffsdp's own ``summon_full_params`` would work here too,
+# but it gathers through the members and collectives the self-test plants bugs in (the
+# stale shard patches the members' all-gather input, which it uses as the forward's
+# all-gather does): what the checker saw would then pass through the bug it is to
+# catch. A plain ``dist.all_gather`` of the shards shares nothing with the code under
+# test.
+
+
 def unflattened_params(
     model: nn.Module, prefixes_to_ignore: Sequence[str] = ()
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None:
     """``{name: (full parameter, full gradient or None)}`` of a model wrapped with
     ``reffsdp.FullyShardedDataParallel``, or ``None`` if it holds no wrapper instance.
 
-    [Note: unflattening for a check]
-    Each instance's flat parameter is sharded over its shard group (one rank for NO_SHARD,
-    the intra-replica group for the hybrid strategies). Its local shards, and the flat
-    gradient shards (``FlatParameter.grad``, or with ``use_orig_params=True`` the sharded
-    1-D gradient of each original parameter put back at its offset in the shard), are
-    all-gathered with a plain ``dist.all_gather`` (not through reffsdp's collectives, so a
-    bug planted there does not reach the checker) and cut into the original parameters by
-    the flat layout. A gradient is ``None`` when it is ``None`` on every rank of the shard
-    group. Names are the original ones: ``_fsdp_wrapped_module.`` and each of
-    ``prefixes_to_ignore`` are removed. Parameters the wrapper does not flatten (ignored
-    ones) are taken as they are. Every rank must call this together.
-
-    This reads reffsdp's internals (its flat layout and shard group), and only reffsdp's
-    classes go this way; another implementation's wrapper is read through its public API
-    (:func:`summoned_params`). reffsdp's own ``summon_full_params`` would work here too,
-    but it gathers through the members and collectives the self-test plants bugs in (the
-    stale shard patches the members' all-gather input, which it uses as the forward's
-    all-gather does): what the checker saw would then pass through the bug it is to
-    catch. A plain ``dist.all_gather`` of the shards shares nothing with the code under
-    test.
+    See [Note: unflattening for a check].
     """
     from reffsdp import FlatParameter
     from reffsdp.wrapper.state import state_of
@@ -1039,6 +1042,30 @@ def is_wrapper_instance(module: nn.Module) -> bool:
     return callable(summon) and _WRAPPED_MODULE.rstrip(".") in module._modules
 
 
+# [Note: another implementation's wrapper]
+# The checker knows nothing of another wrapper's internals, only the API both wrappers
+# share: ``type(instance).summon_full_params(model, ...)``, a classmethod that makes
+# every instance in ``model`` show its original parameters whole, and the names of the
+# parameters it shows. Those are cloned inside the context and compared as reffsdp's
+# unflattened ones are. Gradients:
+#
+# * with ``use_orig_params=True`` the same call with ``with_grads=True`` shows them;
+# * with flat parameters it refuses ``with_grads`` (torch's does), but a flat gradient
+#   shard has its flat parameter's layout, being its gradient. So each flat parameter's
+#   shard is saved, overwritten with its gradient (zeros where it has none) and
+#   summoned: the original parameters then show the gradients, cut and unpadded by the
+#   implementation itself. The shards are put back in a ``finally``, bit for bit. A
+#   gradient is ``None`` when its flat parameter's is ``None`` on every rank.
+#
+# Flat parameters are told by their name, ``_flat_param``, as both wrappers call it; the
+# others are taken as they are (ignored parameters, a root left unwrapped). Names lose
+# ``_fsdp_wrapped_module.`` and each of ``prefixes_to_ignore``. Unlike reffsdp's private
+# path (see [Note: unflattening for a check]) this shows whatever the implementation's
+# own all-gather returns, so a bug in it could shape the checker's view too; the losses,
+# computed from that all-gather's output in every forward, still catch a wrong one.
+# Every rank must call this together.
+
+
 def summoned_params(
     model: nn.Module, prefixes_to_ignore: Sequence[str] = ()
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None:
@@ -1046,28 +1073,7 @@ def summoned_params(
     ``FullyShardedDataParallel`` instances of another implementation than reffsdp (torch's),
     read through that implementation's public API; ``None`` if it holds none.
 
-    [Note: another implementation's wrapper]
-    The checker knows nothing of another wrapper's internals, only the API both wrappers
-    share: ``type(instance).summon_full_params(model, ...)``, a classmethod that makes
-    every instance in ``model`` show its original parameters whole, and the names of the
-    parameters it shows. Those are cloned inside the context and compared as reffsdp's
-    unflattened ones are. Gradients:
-
-    * with ``use_orig_params=True`` the same call with ``with_grads=True`` shows them;
-    * with flat parameters it refuses ``with_grads`` (torch's does), but a flat gradient
-      shard has its flat parameter's layout, being its gradient. So each flat parameter's
-      shard is saved, overwritten with its gradient (zeros where it has none) and
-      summoned: the original parameters then show the gradients, cut and unpadded by the
-      implementation itself. The shards are put back in a ``finally``, bit for bit. A
-      gradient is ``None`` when its flat parameter's is ``None`` on every rank.
-
-    Flat parameters are told by their name, ``_flat_param``, as both wrappers call it; the
-    others are taken as they are (ignored parameters, a root left unwrapped). Names lose
-    ``_fsdp_wrapped_module.`` and each of ``prefixes_to_ignore``. Unlike reffsdp's private
-    path (see [Note: unflattening for a check]) this shows whatever the implementation's
-    own all-gather returns, so a bug in it could shape the checker's view too; the losses,
-    computed from that all-gather's output in every forward, still catch a wrong one.
-    Every rank must call this together.
+    See [Note: another implementation's wrapper].
     """
     wrappers = [module for module in model.modules() if is_wrapper_instance(module)]
     if not wrappers:

@@ -60,7 +60,7 @@ def fully_shard(
 
     With ``dp_mesh_dims``, ``mesh`` is the full SPMD mesh the (DTensor) parameters live on
     and the named dims are the data-parallel ones (see [Note: SPMD meshes] in
-    ``reffsdp/core/mesh.py``).
+    ``reffsdp/per_param/mesh.py``).
     """
     modules = _as_modules(module)
     _check_modules(modules)

@@ -74,19 +74,22 @@ class TensorParallelSpec:
     placements: tuple[Placement, ...]
 
 
+# [Note: strided sharding]
+# When tensor parallelism already shards dim ``d`` and FSDP shards the local TP shard on
+# ``d`` again, the DP placement comes first in the placements but is applied second. A
+# plain ``Shard(d)`` would describe the opposite order, so the DP placement becomes
+# ``_StridedShard(d, split_factor=<TP shards on d>)``. With dp = tp = 2 and 8 rows:
+# TP rank t holds rows ``4t .. 4t+3``; DP rank p holds rows ``4t + 2p, 4t + 2p + 1`` of
+# those, which is what ``(_StridedShard(0, split_factor=2), Shard(0))`` means.
+
+
 def sharded_spec(
     mesh_info: MeshInfo, shard_dim: int, tp: TensorParallelSpec | None
 ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
     """Mesh and placements of a sharded parameter: data-parallel dims, then TP dims (on an
     SPMD mesh, the parameter's own mesh and dims; see [Note: SPMD meshes]).
 
-    [Note: strided sharding]
-    When tensor parallelism already shards dim ``d`` and FSDP shards the local TP shard on
-    ``d`` again, the DP placement comes first in the placements but is applied second. A
-    plain ``Shard(d)`` would describe the opposite order, so the DP placement becomes
-    ``_StridedShard(d, split_factor=<TP shards on d>)``. With dp = tp = 2 and 8 rows:
-    TP rank t holds rows ``4t .. 4t+3``; DP rank p holds rows ``4t + 2p, 4t + 2p + 1`` of
-    those, which is what ``(_StridedShard(0, split_factor=2), Shard(0))`` means.
+    See [Note: strided sharding].
     """
     if mesh_info.spmd is not None:
         assert tp is not None, "SpmdDims.check_param admits only DTensor parameters"
@@ -193,7 +196,7 @@ class SpmdDims:
                     f"{name}: sharding over several mesh dims "
                     f"{tuple(names[d] for d in self.shard_dims)} needs tensor dim {shard_dim} "
                     f"(size {param.size(shard_dim)}) to split evenly into {pieces} pieces "
-                    "(see [Note: SPMD meshes] in reffsdp/core/mesh.py)"
+                    "(see [Note: SPMD meshes] in reffsdp/per_param/mesh.py)"
                 )
 
     def sharded_placements(

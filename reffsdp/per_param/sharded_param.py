@@ -106,6 +106,28 @@ def _original_uid(param: nn.Parameter) -> int:
     return uid
 
 
+# [Note: replaced parameters]
+# A user may register a new parameter under a sharded one's name between fully_shard and
+# the first forward (``module.weight = nn.Parameter(...)``, e.g. to load values). Lazy init
+# adopts it through ``reset_sharded_param``: a DTensor with our sharding is taken as is,
+# a plain tensor of the original size is sharded as the original was (each rank keeps its
+# rows, so every rank must pass the same full tensor). ``load_state_dict(assign=True)``
+# registers new DTensors the same way, at any time, and its post-hook adopts them. After
+# lazy init a plain replacement would be silently ignored (FSDP keeps gathering the old
+# shards, which the optimizer may hold), so ``check_registered`` refuses it instead.
+#
+# A tied parameter (one tensor under several names, e.g. an output layer reusing the
+# embedding table) is one sharded parameter, so its names must keep one tensor:
+# 1. The new tensors under its names may be several objects (``load_state_dict(assign=
+#    True)`` registers one per state-dict key) if they hold the same values: the first,
+#    in the order of the names, is adopted and every name is tied to it again.
+# 2. Outside a load, every name must be replaced: replacing some names only would untie
+#    them, which one sharded parameter cannot do. A load may leave some names as they were,
+#    since a state dict may hold a tied tensor once, and a grouped call's load hooks
+#    run as each of its modules finishes loading.
+# 3. A name may not be removed.
+
+
 class ShardedParam(PaddedShardMember):
     """Shards one parameter over ``mesh_info`` and swaps it between its two forms."""
 
@@ -296,27 +318,6 @@ class ShardedParam(PaddedShardMember):
             and local.dtype == padded.dtype
             and local.device == padded.device
         )
-
-    # [Note: replaced parameters]
-    # A user may register a new parameter under a sharded one's name between fully_shard and
-    # the first forward (``module.weight = nn.Parameter(...)``, e.g. to load values). Lazy init
-    # adopts it through ``reset_sharded_param``: a DTensor with our sharding is taken as is,
-    # a plain tensor of the original size is sharded as the original was (each rank keeps its
-    # rows, so every rank must pass the same full tensor). ``load_state_dict(assign=True)``
-    # registers new DTensors the same way, at any time, and its post-hook adopts them. After
-    # lazy init a plain replacement would be silently ignored (FSDP keeps gathering the old
-    # shards, which the optimizer may hold), so ``check_registered`` refuses it instead.
-    #
-    # A tied parameter (one tensor under several names, e.g. an output layer reusing the
-    # embedding table) is one sharded parameter, so its names must keep one tensor:
-    # 1. The new tensors under its names may be several objects (``load_state_dict(assign=
-    #    True)`` registers one per state-dict key) if they hold the same values: the first,
-    #    in the order of the names, is adopted and every name is tied to it again.
-    # 2. Outside a load, every name must be replaced: replacing some names only would untie
-    #    them, which one sharded parameter cannot do. A load may leave some names as they were,
-    #    since a state dict may hold a tied tensor once, and a grouped call's load hooks
-    #    run as each of its modules finishes loading.
-    # 3. A name may not be removed.
 
     def _adopt_replacement(self, loading: bool) -> None:
         """Take over a parameter registered in place of ours (see [Note: replaced parameters])."""

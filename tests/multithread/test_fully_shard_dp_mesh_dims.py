@@ -1,5 +1,5 @@
 """``fully_shard(..., mesh=spmd_mesh, dp_mesh_dims=...)``: data parallelism named on the mesh
-the parameters already live on (SPEC 2.3, [Note: SPMD meshes] in ``reffsdp/core/mesh.py``).
+the parameters already live on (SPEC 2.3, [Note: SPMD meshes] in ``reffsdp/per_param/mesh.py``).
 
 Each of two :class:`MLP` blocks is made tensor parallel over the ``tp`` dim of the full mesh
 (``in_proj`` column-wise, ``out_proj`` row-wise), with its parameters DTensors on that whole
