@@ -178,8 +178,8 @@ def _sharded_step(impl: Implementation, tally: CommTally) -> Iterator[None]:
             raise
         text = "".join(traceback.format_exception_only(type(error), error)).strip()
         raise Unsupported(
-            f"{impl.name} raised in the sharded model's first training step, setting itself "
-            f"up before any collective: {text}"
+            f"{impl.name}'s first training step raised {text}\n(before any collective: the "
+            "implementation was setting itself up)"
         ) from error
 
 
