@@ -145,42 +145,43 @@ def _merge(a: ParityDiffs | None, b: ParityDiffs | None) -> ParityDiffs | None:
     return merged
 
 
-def _train(
-    built: BuiltScenario,
-    model: Any,
-    ref_model: Any,
-    steps: int,
-    tally: CommTally,
-    impl: Implementation,
-):
+class _ShardedSteps:
+    """What happens around each step of the sharded model (its forwards and backwards, its
+    optimizer step): ``impl``'s collectives are counted in ``tally``, and what it raises in
+    the first, before any collective, is its refusal to set up ([Note: unsupported and not
+    applicable])."""
+
+    def __init__(self, impl: Implementation, tally: CommTally) -> None:
+        self.impl = impl
+        self.tally = tally
+        self.entered = 0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        self.entered += 1
+        try:
+            with self.impl.observe_collectives(self.tally.record):
+                yield
+        except Exception as error:
+            if self.entered > 1 or self.tally.counts or isinstance(error, AssertionError):
+                raise
+            text = "".join(traceback.format_exception_only(type(error), error)).strip()
+            raise Unsupported(
+                f"{self.impl.name}'s first training step raised {text}\n(before any "
+                "collective: the implementation was setting itself up)"
+            ) from error
+
+
+def _train(built: BuiltScenario, model: Any, ref_model: Any, steps: int, around: _ShardedSteps):
     return check_train_parity(
         None,
         ref_model,
         model,
         built.make_inputs,
         num_steps=steps,
-        around_sharded_step=lambda: _sharded_step(impl, tally),
+        around_sharded_step=around,
         **built.check_kwargs,
     )
-
-
-@contextlib.contextmanager
-def _sharded_step(impl: Implementation, tally: CommTally) -> Iterator[None]:
-    """Count ``impl``'s collectives in ``tally`` during a step of the sharded model; what it
-    raises before its first collective is its refusal to set up ([Note: unsupported and not
-    applicable])."""
-    first = not tally.counts
-    try:
-        with impl.observe_collectives(tally.record):
-            yield
-    except Exception as error:
-        if not first or tally.counts or isinstance(error, AssertionError):
-            raise
-        text = "".join(traceback.format_exception_only(type(error), error)).strip()
-        raise Unsupported(
-            f"{impl.name}'s first training step raised {text}\n(before any collective: the "
-            "implementation was setting itself up)"
-        ) from error
 
 
 def _state_dict_phases(steps: int) -> tuple[int, int]:
@@ -192,17 +193,16 @@ def _state_dict_phases(steps: int) -> tuple[int, int]:
 def _train_phases(
     built: BuiltScenario,
     steps: int,
-    tally: CommTally,
     seen: list[ParityDiffs],
     losses: list[float],
-    impl: Implementation,
+    around: _ShardedSteps,
 ) -> None:
     """Train ``built`` against its reference for ``steps`` steps, or, for a state-dict
     scenario, part of them, then save, load into a fresh model and train the rest; each
     phase's differences go to ``seen`` and its losses to ``losses`` as it ends."""
 
     def phase(model: Any, ref_model: Any, count: int) -> None:
-        trained = _train(built, model, ref_model, count, tally, impl)
+        trained = _train(built, model, ref_model, count, around)
         seen.append(trained.diffs)
         losses.extend(trained)
 
@@ -298,7 +298,7 @@ def run_scenario(
     tally = CommTally()
     seen: list[ParityDiffs] = []  # each training phase's differences
     try:
-        _train_phases(built, steps, tally, seen, result.losses, impl)
+        _train_phases(built, steps, seen, result.losses, _ShardedSteps(impl, tally))
     except Unsupported as error:  # refused to shard the reloaded model of a state-dict one
         _refused(result, error, device)
         result.seconds = time.perf_counter() - start

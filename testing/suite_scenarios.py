@@ -2,7 +2,9 @@
 
 A scenario is one combination of API (``fully_shard`` or the ``FullyShardedDataParallel``
 wrapper, and two ``naive`` ones), mesh, feature and model. :func:`build_scenario` builds it
-on the calling rank: the unsharded reference, the sharded model, the inputs, the arguments for
+on the calling rank, sharded by the implementation under test (reffsdp, torch's or another:
+:mod:`reffsdp.testing.impls`; only reffsdp has ``naive``): the unsharded reference, the
+sharded model, the inputs, the arguments for
 :func:`~reffsdp.testing.parity.check_train_parity`, and the parameter groups the expected
 collectives are computed from (see :mod:`reffsdp.testing.expected_comms`). The engine in
 :mod:`reffsdp.testing.parity_suite` runs them.

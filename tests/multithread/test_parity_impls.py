@@ -11,6 +11,8 @@ through its seam and through ``torch.distributed``.
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -157,3 +159,20 @@ def test_unsupported_fails_the_run_unless_allowed(capsys):
     assert "torch refused to set up 1 scenario (unsupported" in err
     assert "pass --allow-unsupported" in err
     assert cli.main([*argv, "--allow-unsupported"]) == 0
+
+
+def test_the_readme_runs_your_model_under_torchs_fsdp():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    own = readme.split("## Checking your own model")[1].split("\n## ")[0]
+    theirs = readme.split("## Checking torch's FSDP, or yours")[1].split("\n## ")[0]
+    namespace: dict = {}
+    for text in (own, theirs):
+        block = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)[0]
+        exec(compile(block, "README.md", "exec"), namespace)
+    scenarios = {scenario.name: scenario for scenario in namespace["SCENARIOS"]}
+    assert len(scenarios) == 24 and {s.impl for s in scenarios.values()} == {"torch"}
+    for name in ("fully_shard/1d/reshard/custom", "wrapper/hsdp/accum/custom"):
+        result = scenarios[name].run_threaded()
+        assert result.status == "passed", (name, result.message)
+    offload = scenarios["fully_shard/hsdp/offload/custom"].run_threaded()
+    assert offload.status == "unsupported" and NO_ACCELERATOR in offload.message
