@@ -4,13 +4,13 @@ or any other than reffsdp's (whose own instances :func:`reffsdp.testing.parity.u
 reads).
 
 [Note: reading any wrapper's parameters]
-A wrapper instance is a module with a ``_fsdp_wrapped_module`` child; its ``module`` is the
-wrapped module and its ``process_group`` the group its flat parameter is sharded over (the
-shard group; for the hybrid strategies, inside a replica). The strategy fixes the rest:
+A wrapper instance is a module with a ``_fsdp_wrapped_module`` child (the wrapped module)
+and a ``process_group``, the group its flat parameter is sharded over (the shard group; for
+the hybrid strategies, inside a replica). The strategy fixes the rest:
 
 * ``use_orig_params=False``: the instance's flat parameter, the parameter ``_flat_param``
-  of its module, holds this rank's contiguous piece of the instance's parameters laid end
-  to end in the module's order (those of nested instances left out, each parameter once),
+  of the wrapped module, holds this rank's contiguous piece of the instance's parameters
+  laid end to end in the module's order (those of nested instances left out, each parameter once),
   padded at the end to a multiple of the group's size; its gradient is laid out alike.
   The pieces are gathered over the group and cut at the parameters' sizes, which come from
   the unsharded reference (``expected_comms.flat_numel`` is the same layout's size).
@@ -18,7 +18,7 @@ shard group; for the hybrid strategies, inside a replica). The strategy fixes th
   this rank's piece holds (empty on ranks whose piece misses it), its gradient alike; the
   ranks' parts, in rank order, are the parameter flattened.
 
-Two ranks, a 3-row weight ``w`` and a 2-element bias ``b`` in one instance: the flat
+Two ranks, a weight ``w`` of 3 elements and a bias ``b`` of 2 in one instance: the flat
 parameter is ``[w0 w1 w2 b0 b1 pad]``, rank 0 holds ``[w0 w1 w2]``, rank 1 ``[b0 b1 pad]``;
 with ``use_orig_params=True`` rank 0 shows ``w`` as ``[w0 w1 w2]`` and ``b`` as ``[]``.
 
@@ -82,7 +82,8 @@ def _from_flat_params(
         ref_module = ref_model.get_submodule(_clean(path, prefixes))
         owned = [p for p in ref_module.parameters() if id(p) not in taken]
         taken.update(id(p) for p in owned)
-        flat = dict(instance.module.named_parameters(recurse=False)).get(FLAT_PARAM)
+        wrapped = getattr(instance, WRAPPED_MODULE)
+        flat = dict(wrapped.named_parameters(recurse=False)).get(FLAT_PARAM)
         if flat is None:
             if owned:
                 raise ValueError(f"wrapper instance {path!r} holds no {FLAT_PARAM}")
@@ -114,9 +115,12 @@ def _from_original_params(
     shapes = {name: param.shape for name, param in ref_model.named_parameters()}
     entries: Entries = {}
     for name, param in model.named_parameters():
-        owner = max((path for path in instances if _inside(name, path)), key=len)
-        group = instances[owner].process_group
         clean = _clean(name, prefixes)
+        owner = max((path for path in instances if _inside(name, path)), key=len, default=None)
+        if owner is None:  # outside every instance: not sharded
+            entries[clean] = (param.detach(), None if param.grad is None else param.grad.detach())
+            continue
+        group = instances[owner].process_group
         whole = _gather_uneven(param.detach().reshape(-1), group)
         grad = None
         if _any_rank(param.grad is not None, group):

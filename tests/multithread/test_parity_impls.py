@@ -176,3 +176,29 @@ def test_the_readme_runs_your_model_under_torchs_fsdp():
         assert result.status == "passed", (name, result.message)
     offload = scenarios["fully_shard/hsdp/offload/custom"].run_threaded()
     assert offload.status == "unsupported" and NO_ACCELERATOR in offload.message
+
+
+@pytest.mark.parametrize(
+    "name", ["wrapper/1d/tied/transformer", "wrapper/hsdp/orig-params/convnet"]
+)
+def test_any_wrapper_is_read_as_reffsdps_own_reader_reads_it(name):
+    """The reader for other implementations' wrappers (public parameters cut at the
+    strategy's layout) rebuilds reffsdp's wrapper exactly as reffsdp's own reader does."""
+    from reffsdp.testing.parity import unflattened_params
+    from reffsdp.testing.wrapped_params import wrapped_params
+
+    (spec,) = [spec for spec in all_specs() if spec.name == name]
+
+    def on_rank(rank: int) -> None:
+        built = build_scenario(spec, torch.device("cpu"), load_implementation())
+        inputs = built.make_inputs(0, rank)
+        out = built.model(*inputs) if isinstance(inputs, tuple) else built.model(inputs)
+        out.sum().backward()
+        own = unflattened_params(built.model)
+        read = wrapped_params(built.model, built.ref_model)
+        assert own is not None and read is not None and sorted(own) == sorted(read)
+        for key, (param, grad) in own.items():
+            assert torch.equal(param, read[key][0]), key
+            assert grad is not None and torch.equal(grad, read[key][1]), key
+
+    run_threaded(on_rank, 4)
