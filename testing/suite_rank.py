@@ -321,7 +321,8 @@ def run_scenario(
 def _refused(result: ScenarioResult, refusal: Unsupported | None, device: torch.device) -> bool:
     """Whether any rank's implementation refused the scenario; if so, ``result`` is
     unsupported on every rank, with the refusals' messages (each rank's when they differ)."""
-    refused = torch.tensor([float(refusal is not None)], device=device)
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL: CUDA only
+    refused = torch.tensor([float(refusal is not None)], device=on)
     dist.all_reduce(refused)
     if not refused.item():
         return False
