@@ -1,13 +1,16 @@
 """``python -m reffsdp.testing`` (installed as ``reffsdp-parity``): run the parity suite.
 
-The suite trains reffsdp-sharded models next to ``DistributedDataParallel`` and checks that
+The suite trains sharded models next to ``DistributedDataParallel`` and checks that
 losses, gradients, parameters and the collectives issued agree, scenario by scenario
-(:mod:`reffsdp.testing.parity_suite` runs them). This module is the command line around it::
+(:mod:`reffsdp.testing.parity_suite` runs them). The FSDP that shards is reffsdp, or the
+implementation ``--impl`` names (:mod:`reffsdp.testing.impls`). This module is the command
+line around it::
 
     python -m reffsdp.testing                                # threaded ranks on CPU
     python -m reffsdp.testing --list --mesh hsdp             # names, nothing runs
     python -m reffsdp.testing --api wrapper --only '*/bf16/*' --json out.json
     python -m reffsdp.testing --backend nccl --world-size 1 --junit-xml parity.xml
+    python -m reffsdp.testing --impl torch --backend gloo    # torch's own FSDP
     python -m reffsdp.testing --self-test                    # are planted bugs caught?
     torchrun --nproc-per-node 4 -m reffsdp.testing           # joins torchrun's (or srun's) world
 
@@ -16,9 +19,11 @@ world instead of starting ranks (:mod:`reffsdp.testing.launch` decides), every r
 the same scenarios, and rank 0 alone prints and writes the reports.
 
 The exit status is 0 when every scenario passed or was skipped, but not when every one was
-skipped unless ``--allow-skips`` is given (for ``--self-test``: when every planted bug was
-caught), 1 otherwise, 2 for bad arguments (an unwritable report path included), 130 when
-interrupted (Ctrl-C): the reports are then written with the scenarios that finished.
+skipped unless ``--allow-skips`` is given, nor when the implementation refused some
+(unsupported) unless ``--allow-unsupported`` is given (for ``--self-test``: when every
+planted bug was caught), 1 otherwise, 2 for bad arguments (an unwritable report path and an
+``--impl`` that cannot be loaded included), 130 when interrupted (Ctrl-C): the reports are
+then written with the scenarios that finished.
 Formatting lives in :mod:`reffsdp.testing.report`.
 """
 
@@ -44,6 +49,7 @@ import torch
 from rich.console import Console
 
 from . import parity_plugin, report
+from .impls import DEFAULT, Implementation, ImplementationError, load_implementation
 from .launched_world import LaunchedEnv, LaunchError, read_launched_env
 
 # What this command line uses of the engine, reffsdp.testing.parity_suite.
@@ -101,8 +107,13 @@ def _program_name() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=_program_name(),
-        description="Train reffsdp-sharded models next to DDP and check they agree.",
-        epilog="Filters combine: a scenario runs when it matches every kind of filter given.",
+        description="Train sharded models (reffsdp's, or those of the FSDP implementation "
+        "--impl names) next to DDP and check they agree.",
+        epilog="Filters combine: a scenario runs when it matches every kind of filter given. "
+        "Unsupported: the implementation refused to set the scenario up (it raised while "
+        "sharding or configuring the model); its message is shown, and it fails the run "
+        "unless --allow-unsupported. Not applicable: a scenario of an API the implementation "
+        "does not export (or of reffsdp's own NaiveFSDP).",
     )
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--list", action="store_true", help="print the selected scenario names")
@@ -128,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_run_options(run: argparse._ArgumentGroup) -> None:
+    run.add_argument(
+        "--impl",
+        default=DEFAULT,
+        metavar="NAME",
+        help="the FSDP implementation to check: reffsdp (default), torch "
+        "(torch.distributed.fsdp as installed) or the dotted path of an importable module "
+        "that exports torch.distributed.fsdp's names (fully_shard and/or "
+        "FullyShardedDataParallel, ...)",
+    )
     run.add_argument(
         "--backend",
         choices=("threaded", "gloo", "nccl"),
@@ -169,6 +189,12 @@ def _add_run_options(run: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="exit 0 when every selected scenario was skipped (default: that is a failure)",
     )
+    run.add_argument(
+        "--allow-unsupported",
+        action="store_true",
+        help="exit 0 when the implementation refused some scenarios (unsupported) and "
+        "nothing failed (default: that is a failure)",
+    )
 
 
 def _unique(values: Sequence[str]) -> tuple[str, ...]:
@@ -189,6 +215,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         args.world_size = DEFAULT_WORLD_SIZE
     if args.device is None:
         args.device = "cuda" if args.backend == "nccl" else "cpu"
+    try:
+        args.implementation = load_implementation(args.impl)
+    except ImplementationError as error:
+        parser.error(f"--impl {args.impl}: {error}")
     if args.self_test and "naive" in args.api:
         parser.error("--self-test plants bugs in fully_shard and the wrapper; --api naive has none")
     if args.backend == "gloo" and args.device != "cpu":
@@ -282,6 +312,7 @@ def suite_options(engine_module: ModuleType, args: argparse.Namespace) -> Any:
         seed=args.seed,
         nodes=1 if args.launched is None else args.launched.nodes,
         timeout_s=float(args.timeout),
+        impl=args.impl,
     )
 
 
@@ -368,6 +399,8 @@ def run_info(
     return report.RunInfo(
         torch_version=torch.__version__,
         reffsdp_version=_reffsdp_version(),
+        impl=args.impl,
+        impl_version=args.implementation.version,
         python_version=platform.python_version(),
         device=args.device,
         device_name=_device_name(args.device),
@@ -454,8 +487,24 @@ def list_tests(engine_module: ModuleType, args: argparse.Namespace, options: Any
     for name in plugin.selected:
         print(name)
     sys.stdout.flush()
-    print(_count(len(plugin.selected), "scenario"), file=sys.stderr)
+    print(_listed(args.implementation, options, plugin.selected), file=sys.stderr)
     return 0
+
+
+def _listed(impl: Implementation, options: Any, selected: Sequence[str]) -> str:
+    """``66 scenarios`` (of reffsdp), or ``66 scenarios of torch 2.13.0, 2 not
+    applicable: ...`` for another implementation."""
+    text = _count(len(selected), "scenario")
+    if impl.name == DEFAULT:
+        return text
+    apis = {info.name: info.api for info in engine().list_scenarios(options)}
+    reasons = dict.fromkeys(impl.not_applicable(apis[name]) for name in selected)
+    reasons.pop("", None)
+    missing = sum(bool(impl.not_applicable(apis[name])) for name in selected)
+    text += f" of {impl.label}"
+    if missing:
+        text += f", {missing} not applicable: " + "; ".join(reasons)
+    return text
 
 
 def _pytest_trouble(code: int, plugin: parity_plugin.ParityPlugin) -> int:
@@ -496,7 +545,7 @@ def run_tests(
     if self_test:
         _print_self_test(plugin, seconds)
     else:
-        _print_suite(plugin, seconds)
+        _print_suite(args, plugin, seconds)
     _write_json(args, run_info(args, started, seconds), plugin, self_test=self_test)
     return _exit_status(args, plugin, code, self_test=self_test)
 
@@ -506,10 +555,16 @@ def _header(args: argparse.Namespace, total: int | None) -> str:
     if total is None:
         return "reffsdp parity suite self-test: planting known bugs, one at a time"
     return (
-        f"reffsdp parity suite: {_count(total, 'scenario')}, {args.backend} backend on "
-        f"{args.device}, world size {args.world_size}, {_count(args.steps, 'step')}, "
-        f"seed {args.seed}{_launched_by(args)}"
+        f"reffsdp parity suite: {_count(total, 'scenario')}{_checking(args)}, {args.backend} "
+        f"backend on {args.device}, world size {args.world_size}, "
+        f"{_count(args.steps, 'step')}, seed {args.seed}{_launched_by(args)}"
     )
+
+
+def _checking(args: argparse.Namespace) -> str:
+    """``, checking torch 2.13.0``: which FSDP shards, when it is not reffsdp."""
+    impl = args.implementation
+    return "" if impl.name == DEFAULT else f", checking {impl.label}"
 
 
 def _line(index: int, total: int, result: Any, self_test: bool) -> str:
@@ -518,10 +573,13 @@ def _line(index: int, total: int, result: Any, self_test: bool) -> str:
     return report.progress_line(index, total, result)
 
 
-def _print_suite(plugin: parity_plugin.ParityPlugin, seconds: float) -> None:
+def _print_suite(
+    args: argparse.Namespace, plugin: parity_plugin.ParityPlugin, seconds: float
+) -> None:
     results = plugin.results
     if results:
         print()
+        print(f"implementation: {args.implementation.label}")
         print(report.format_table(results, _table_width(sys.stdout)))
     for section in (report.format_skips(results), report.format_failures(results)):
         if section:
@@ -577,9 +635,19 @@ def _exit_status(
     counts = report.summarize(results)
     if counts["failed"]:
         return 1
-    if counts["skipped"] == counts["total"] and not args.allow_skips:
+    unsupported = counts.get(report.UNSUPPORTED, 0)
+    if unsupported and not args.allow_unsupported:
         print(
-            "every scenario was skipped, so nothing was checked; pass --allow-skips to "
+            f"{args.implementation.name} refused to set up {_count(unsupported, 'scenario')} "
+            "(unsupported, listed above with its message), so they were not checked; pass "
+            "--allow-unsupported to accept that (exit status 0)",
+            file=sys.stderr,
+        )
+        return 1
+    if not counts["passed"] and not args.allow_skips:
+        what = "skipped" if counts["skipped"] == counts["total"] else "skipped, unsupported or n/a"
+        print(
+            f"every scenario was {what}, so nothing was checked; pass --allow-skips to "
             "accept that (exit status 0)",
             file=sys.stderr,
         )

@@ -19,9 +19,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from reffsdp import FSDPModule, FullyShardedDataParallel, fully_shard
-from reffsdp.wrap import ModuleWrapPolicy
-
+from .impls import DEFAULT, Implementation, resolve
 from .parity import broadcast_params_from_rank0
 
 _Module = TypeVar("_Module", bound=nn.Module)
@@ -53,31 +51,61 @@ def reference_and_model(model: _Module) -> tuple[_Module, _Module]:
     return copy.deepcopy(model), model
 
 
-def shard_bottom_up(model: _Module, blocks: Iterable[nn.Module], **fsdp_kwargs: Any) -> _Module:
+def shard_bottom_up(
+    model: _Module,
+    blocks: Iterable[nn.Module],
+    *,
+    impl: Implementation | str = DEFAULT,
+    **fsdp_kwargs: Any,
+) -> _Module:
     """``fully_shard`` each of ``blocks``, then ``model`` (which takes the parameters left).
 
     Every call gets the same ``fsdp_kwargs`` (``mesh=``, ``reshard_after_forward=``, ...).
-    Returns ``model``, now an :class:`~reffsdp.FSDPModule`.
+    ``impl`` names the implementation whose ``fully_shard`` shards (see
+    :mod:`reffsdp.testing.impls`; default reffsdp). Returns ``model``, now an ``FSDPModule``.
     """
+    fully_shard = resolve(impl).module.fully_shard
     for block in blocks:
         fully_shard(block, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
     return model
 
 
-def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
-    """Every module of ``model`` (itself included) that ``fully_shard`` was applied to."""
-    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+def fsdp_modules(model: nn.Module, *, impl: Implementation | str = DEFAULT) -> list[nn.Module]:
+    """Every module of ``model`` (itself included) that ``impl``'s ``fully_shard`` was
+    applied to."""
+    module_class = resolve(impl).module.FSDPModule
+    return [module for module in model.modules() if isinstance(module, module_class)]
+
+
+def blocks_policy(
+    block_classes: Iterable[type[nn.Module]],
+) -> Callable[[nn.Module, bool, int], bool]:
+    """An auto-wrap policy that wraps every instance of ``block_classes``: the plain callable
+    ``(module, recurse, nonwrapped_numel) -> bool`` every implementation of the wrapper
+    takes (asked with ``recurse=True`` whether to look inside a module, always; with
+    ``recurse=False`` whether to wrap it)."""
+    classes = tuple(block_classes)
+
+    def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return recurse or isinstance(module, classes)
+
+    return policy
 
 
 def wrap_blocks(
-    model: nn.Module, block_classes: Iterable[type[nn.Module]], **wrapper_kwargs: Any
-) -> FullyShardedDataParallel:
+    model: nn.Module,
+    block_classes: Iterable[type[nn.Module]],
+    *,
+    impl: Implementation | str = DEFAULT,
+    **wrapper_kwargs: Any,
+) -> nn.Module:
     """The wrapper API's nested wrapping: every instance of ``block_classes`` in its own
-    ``FullyShardedDataParallel``, the rest of ``model`` in the root one.
+    ``FullyShardedDataParallel`` (``impl``'s; default reffsdp's), the rest of ``model`` in
+    the root one.
 
     ``wrapper_kwargs`` go to the root and, copied, to every block
-    (``auto_wrap_policy=ModuleWrapPolicy(block_classes)``).
+    (``auto_wrap_policy=blocks_policy(block_classes)``).
     """
-    policy = ModuleWrapPolicy(set(block_classes))
-    return FullyShardedDataParallel(model, auto_wrap_policy=policy, **wrapper_kwargs)
+    wrapper = resolve(impl).module.FullyShardedDataParallel
+    return wrapper(model, auto_wrap_policy=blocks_policy(block_classes), **wrapper_kwargs)

@@ -30,6 +30,14 @@ All-reduce, broadcast, reduce: the tensor. All-to-all and gather: the input. Sca
 output. Barrier: 0. An all-gather and the reduce-scatter of the same parameters therefore
 report the same bytes. Lists of tensors (coalesced ops) add up.
 
+[Note: the collectives an implementation issues]
+:class:`IssuedCollectives` serves the parity suite when it checks an FSDP implementation
+other than reffsdp, which has no comms seam to observe (see [Note: why the engine counts
+through the comms seam] in ``suite_rank.py``). It sees what ``torch.distributed``'s
+collective functions issue, along both paths above, with the size of the group each ran
+on; functional collectives (DTensor's tensor parallelism) are left out, as FSDP does not
+issue them, and so is the threaded group's report of one.
+
 [Note: threads and nesting]
 Counters are per thread: torch keeps its dispatch-mode stack per thread, and our registry
 for :func:`record_collective` is thread-local too, so under the threaded group each rank's
@@ -41,10 +49,11 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     is_traceable_wrapper_subclass_type,
@@ -149,16 +158,17 @@ class _ThreadCounters(threading.local):
 _this_thread = _ThreadCounters()
 
 
-def record_collective(kind: Collective, nbytes: int) -> None:
+def record_collective(kind: Collective, nbytes: int, group: Any = None) -> None:
     """Report one collective issued on this thread to the active counters.
 
     For process groups the dispatcher cannot see (see [Note: two ways in]); ``nbytes``
-    follows [Note: what nbytes means]. A no-op when no counter is open on this thread.
+    follows [Note: what nbytes means], ``group`` is the process group it ran on. A no-op
+    when no counter is open on this thread.
     """
     if _this_thread.dispatch_depth:
         return
     for counter in _this_thread.open:
-        counter._add(kind, nbytes)
+        counter._add(kind, nbytes, group)
 
 
 class CommCounter(TorchDispatchMode):
@@ -205,7 +215,7 @@ class CommCounter(TorchDispatchMode):
         """``(kind, nbytes)`` of every collective, in the order this rank issued them."""
         return list(self._sequence)
 
-    def _add(self, kind: Collective, nbytes: int) -> None:
+    def _add(self, kind: Collective, nbytes: int, group: Any = None) -> None:
         self._counts[kind] += 1
         self._sequence.append((kind, nbytes))
         if nbytes:  # keep byte-free kinds (barriers) out, so results compare to plain dicts
@@ -236,3 +246,60 @@ class CommCounter(TorchDispatchMode):
             nbytes = _nbytes(result if where == _RESULT else args[where])
         self._add(kind, nbytes)
         return result
+
+
+class IssuedCollectives(TorchDispatchMode):
+    """Call ``observer(kind, nbytes, group_size)`` at each collective that this thread
+    issues through ``torch.distributed`` while the context is open (see [Note: the
+    collectives an implementation issues]); ``nbytes`` follows [Note: what nbytes means].
+    """
+
+    def __init__(self, observer: Callable[[Collective, int, int], None]) -> None:
+        super().__init__()
+        self._observer = observer
+        self._packets = _packet_table()
+
+    def __enter__(self) -> IssuedCollectives:
+        super().__enter__()
+        _this_thread.open.append(self)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            _this_thread.open.remove(self)
+        finally:
+            super().__exit__(*exc_info)
+
+    def _add(self, kind: Collective, nbytes: int, group: Any = None) -> None:
+        """A collective of the threaded group (reported through :func:`record_collective`)."""
+        self._observer(kind, nbytes, dist.get_world_size() if group is None else group.size())
+
+    def __torch_dispatch__(
+        self, func: Any, types: Iterable[type], args: Any = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # as in CommCounter: DTensor runs its own implementation
+        entry = self._packets.get(func._overloadpacket)
+        if entry is None:
+            return func(*args, **kwargs)
+        _this_thread.dispatch_depth += 1  # a threaded group's report of it is not another
+        try:
+            result = func(*args, **kwargs)
+        finally:
+            _this_thread.dispatch_depth -= 1
+        if func.namespace == "c10d":  # torch.distributed's; _c10d_functional is DTensor's
+            kind, where = entry
+            nbytes = 0 if where is None else _nbytes(result if where == _RESULT else args[where])
+            self._observer(kind, nbytes, _group_size(args))
+        return result
+
+
+def _group_size(args: Sequence[Any]) -> int:
+    """The size of the process group a ``c10d`` op's arguments name."""
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject) and arg._type().qualified_name().endswith(
+            "c10d.ProcessGroup"
+        ):
+            return dist.ProcessGroup.unbox(arg).size()
+    raise ValueError("a c10d collective without a process group among its arguments")

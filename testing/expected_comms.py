@@ -38,7 +38,11 @@ all-gather of two int64 per rank (rule 2 of [Note: all-gather extensions] in
 every rank instead of leaving the others waiting in the real all-gather. torch checks on
 the padded rank alone. A unit counts these as ``handshakes``; :func:`expected_per_step`
 spreads them over a run's steps when told how many there are, and leaves them out of a
-steady-state step.
+steady-state step. The handshake is reffsdp's choice, not the strategy's: the parity suite
+allows it to reffsdp (and to implementations whose ``fully_shard`` is reffsdp's) and holds
+any other implementation, torch's among them, to the strategy's counts
+(``fully_shard_units(..., size_handshakes=False)``; see
+:attr:`reffsdp.testing.impls.Implementation.size_handshakes`).
 """
 
 from __future__ import annotations
@@ -56,7 +60,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from reffsdp import MixedPrecisionPolicy
 from reffsdp.core import compat
 from reffsdp.core.comms import Collective
 
@@ -210,16 +213,23 @@ def fully_shard_units(
     reshard_after_forward: bool | int | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    mp_policy: Any = None,
+    size_handshakes: bool = True,
 ) -> list[CommUnit]:
     """The groups ``fully_shard`` makes when applied to ``modules`` in order (children
     first, the root last), each with the same arguments; call it before sharding.
 
     ``reshard_after_forward=None`` reshards every group but the root's, as ``fully_shard``
     does. A parameter that takes over its own all-gather counts what its hook sends (see
-    the module note).
+    the module note), asked with ``mp_policy``: the implementation's
+    ``MixedPrecisionPolicy`` of ``param_dtype`` and ``reduce_dtype`` (default: reffsdp's).
+    ``size_handshakes``: count reffsdp's one-time size handshakes (the module note).
     """
     units = []
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if mp_policy is None:
+        from reffsdp import MixedPrecisionPolicy
+
+        mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for index, params in enumerate(_owned_params(modules)):
         is_root = index == len(modules) - 1
         rf = (not is_root) if reshard_after_forward is None else reshard_after_forward
@@ -233,7 +243,8 @@ def fully_shard_units(
         if any(hasattr(_local(p), "fsdp_pre_all_gather") for p in params):
             owners = _direct_owners(modules[index])
             gather_nbytes = sum(
-                _gather_nbytes(p, shard_size, gather_dtype, owners[id(p)], policy) for p in params
+                _gather_nbytes(p, shard_size, gather_dtype, owners[id(p)], mp_policy)
+                for p in params
             )
         units.append(
             CommUnit(
@@ -246,7 +257,9 @@ def fully_shard_units(
                 reduce_itemsize=reduce_as.itemsize,
                 reshard_after_forward=rf,
                 gather_nbytes=gather_nbytes,
-                handshakes=sum(_needs_handshake(p, shard_size) for p in params),
+                handshakes=sum(_needs_handshake(p, shard_size) for p in params)
+                if size_handshakes
+                else 0,
             )
         )
     return units
@@ -384,11 +397,19 @@ class CommTally:
         self.bytes = Fraction(0)
 
     def observe(self, kind: Collective, tensor: torch.Tensor, group: Any) -> None:
-        key = _KEY_OF[kind]
-        size = dist.get_world_size(group)
+        """One collective seen through reffsdp's comms seam (``observe_collectives``)."""
+        self.record(kind, tensor.numel() * tensor.element_size(), dist.get_world_size(group))
+
+    def record(self, kind: Collective, nbytes: int, group_size: int) -> None:
+        """One collective whose unsharded side is ``nbytes`` over ``group_size`` ranks;
+        kinds other than all-gather, reduce-scatter and all-reduce are not FSDP's sharding
+        collectives and are left out."""
+        key = _KEY_OF.get(kind)
+        if key is None:
+            return
         self.counts[key] += 1
-        nbytes = ring_bytes(tensor.numel() * tensor.element_size(), size)
-        self.bytes += 2 * nbytes if key == ALL_REDUCE else nbytes
+        sent = ring_bytes(nbytes, group_size)
+        self.bytes += 2 * sent if key == ALL_REDUCE else sent
 
     def per_step(self, steps: int) -> tuple[dict[str, float], Fraction]:
         return {key: self.counts[key] / steps for key in COUNT_KEYS}, self.bytes / steps

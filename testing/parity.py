@@ -146,6 +146,7 @@ def check_train_parity(
     atol: Tolerance = None,
     block_types: Sequence[type[nn.Module]] = (),
     expected_counts: Mapping[str, float] | None = None,
+    around_sharded_step: Callable[[], AbstractContextManager[Any]] | None = None,
 ) -> TrainParity:
     """Train ``sharded_model`` and a DDP copy side by side; check they agree at every step.
 
@@ -189,6 +190,9 @@ def check_train_parity(
     block an auto-wrap policy missed); ``expected_counts``, collectives per step as
     :func:`reffsdp.testing.expected_counts` computes them, fails the check when a step
     issues other numbers of reffsdp all-gathers, reduce-scatters or all-reduces.
+    ``around_sharded_step()`` gives a context entered around every forward and backward,
+    and every optimizer step, of ``sharded_model`` alone (the parity suite observes the
+    collectives of the FSDP under test in it).
 
     Returns this rank's loss per step, summed over microbatches, as a :class:`TrainParity`
     (a list) that also carries the largest differences seen on any rank and the tolerances
@@ -214,6 +218,7 @@ def check_train_parity(
         ddp_kwargs=ddp_kwargs or {},
         tolerances=tolerances,
         expected_counts=expected_counts,
+        around_sharded_step=around_sharded_step or contextlib.nullcontext,
     )
     rank = dist.get_rank()
     step_losses = []
@@ -262,6 +267,7 @@ class _TrainParityRun:
         ddp_kwargs: Mapping[str, Any],
         tolerances: Tolerances,
         expected_counts: Mapping[str, float] | None,
+        around_sharded_step: Callable[[], AbstractContextManager[Any]],
     ) -> None:
         self.test_case = test_case
         self.ref_model = ref_model
@@ -275,6 +281,7 @@ class _TrainParityRun:
         self.prefixes_to_ignore = prefixes_to_ignore
         self.tolerances = tolerances
         self.expected_counts = expected_counts
+        self.around_sharded_step = around_sharded_step
         self.diffs = ParityDiffs()
 
     def check_params(self, when: str, reductions: int, hint: str = "") -> float:
@@ -301,7 +308,7 @@ class _TrainParityRun:
         self.optim.zero_grad()
         ref_losses = _forward_backward(self.ddp_model, inputs, self.loss_fn, self.ddp_no_sync)
         tally = CommTally()
-        with _counting(tally, self.expected_counts):
+        with _counting(tally, self.expected_counts), self.around_sharded_step():
             losses = _forward_backward(self.sharded_model, inputs, self.loss_fn, self.no_sync)
         slack = 2 * drift * _grad_l1(self.ref_model)  # point 5 of [Note: default tolerances]
         loss_problems = _loss_problems(
@@ -317,7 +324,7 @@ class _TrainParityRun:
         if step == 0:
             _check_gradients_not_vacuous(self.ref_model)
         self.ref_optim.step()
-        with _counting(tally, self.expected_counts):
+        with _counting(tally, self.expected_counts), self.around_sharded_step():
             self.optim.step()
         if self.expected_counts is not None:
             _agree_and_report(

@@ -14,7 +14,9 @@ minimum::
 This module is the suite's front: which scenarios ``options`` select, running them
 (:mod:`reffsdp.testing.suite_backends` says where: threaded ranks, gloo or nccl processes),
 the self-test (:mod:`reffsdp.testing.self_test`), and the scenarios on a user's own model
-for a user's own tests (:func:`parity_scenarios`).
+for a user's own tests (:func:`parity_scenarios`). ``SuiteOptions(impl="torch")`` and
+``parity_scenarios(..., impl="torch")`` check another FSDP implementation than reffsdp
+(:mod:`reffsdp.testing.impls`: ``torch``'s own, or any module exporting its names).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .impls import DEFAULT, load_implementation
 from .preflight import check_block_types
 from .self_test import (
     SelfTestResult,
@@ -118,6 +121,7 @@ class ParityScenario:
     world_size: int
     steps: int = 3
     seed: int = 0
+    impl: str = DEFAULT  # the FSDP implementation that shards (reffsdp.testing.impls)
 
     @property
     def name(self) -> str:
@@ -129,11 +133,17 @@ class ParityScenario:
     def run(self, device: torch.device | str | None = None) -> ScenarioResult:
         if device is None:
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        return run_scenario(self.spec, torch.device(device), steps=self.steps, seed=self.seed)
+        return run_scenario(
+            self.spec, torch.device(device), steps=self.steps, seed=self.seed, impl=self.impl
+        )
 
     def run_threaded(self, device: str = "cpu") -> ScenarioResult:
         options = SuiteOptions(
-            device=device, world_size=self.world_size, steps=self.steps, seed=self.seed
+            device=device,
+            world_size=self.world_size,
+            steps=self.steps,
+            seed=self.seed,
+            impl=self.impl,
         )
         return run_threaded_one(self.spec, options)
 
@@ -154,6 +164,7 @@ def parity_scenarios(
     optimizer_factory: Callable[[Any], torch.optim.Optimizer] | None = None,
     rtol: Tolerance = None,
     atol: Tolerance = None,
+    impl: str = DEFAULT,
 ) -> list[ParityScenario]:
     """Parity scenarios to run in your own test suite.
 
@@ -178,9 +189,16 @@ def parity_scenarios(
     :mod:`reffsdp.testing.tolerances`), with one number for every dtype or a mapping per
     dtype. The scenario names read ``"<api>/<mesh>/<feature>/<name>"``.
 
-    Unknown ``apis``, ``meshes`` or ``features``, and a selection that leaves no scenario,
-    raise ``ValueError``.
+    ``impl`` is the FSDP implementation that shards: ``"reffsdp"`` (default), ``"torch"``
+    (``torch.distributed.fsdp`` as installed) or the dotted path of a module that exports
+    its names (see :mod:`reffsdp.testing.impls`). A scenario of an API it lacks runs to
+    the status ``"not_applicable"``, one it refuses to set up to ``"unsupported"`` (with
+    its message); neither is ``"passed"``.
+
+    Unknown ``apis``, ``meshes`` or ``features``, an implementation that cannot be loaded,
+    and a selection that leaves no scenario raise ``ValueError``.
     """
+    load_implementation(impl)  # ImplementationError (a ValueError) for an unknown one
     if (model_factory is None) != (make_inputs is None):
         raise ValueError("pass both model_factory and make_inputs, or neither")
     unknown = sorted(set(apis) - set(APIS))
@@ -218,7 +236,7 @@ def parity_scenarios(
     options = SuiteOptions(world_size=world_size)
     return [
         ParityScenario(
-            spec, spec.world_size(world_size, resize=options.resizes_worlds), steps, seed
+            spec, spec.world_size(world_size, resize=options.resizes_worlds), steps, seed, impl
         )
         for spec in specs
     ]

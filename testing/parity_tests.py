@@ -9,7 +9,10 @@ and ``planted_bug``: ids are the names, marks the API and the mesh) and supplies
 
 A scenario's result is fetched while its test is set up, so an engine that stops with an
 error is a test *error* in the JUnit report, and a scenario that fails its checks is a test
-*failure*. Every test prints its numbers, which JUnit keeps as the test's ``system-out``.
+*failure*. One the implementation refuses to set up, and one of an API it lacks, is a test
+*skipped* with ``unsupported:`` or ``not applicable:`` and the reason (the command line
+still fails the run on an unsupported one, unless ``--allow-unsupported``). Every test
+prints its numbers, which JUnit keeps as the test's ``system-out``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ def test_scenario(scenario: Any, scenario_result: Any, record_xml_attribute: Any
     print(report.metrics_line(scenario_result))
     if scenario_result.status == report.SKIPPED:
         pytest.skip(scenario_result.message)
+    if scenario_result.status == report.UNSUPPORTED:  # the command line fails on it
+        pytest.skip(f"unsupported: {scenario_result.message}")
+    if scenario_result.status == report.NOT_APPLICABLE:
+        pytest.skip(f"not applicable: {scenario_result.message}")
     if report.is_failure(scenario_result.status):
         pytest.fail(report.failure_text(scenario_result), pytrace=False)
 

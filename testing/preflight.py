@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from reffsdp import FSDPModule, FullyShardedDataParallel
+from .impls import DEFAULT, Implementation, resolve
 
 _DROPOUT = (
     nn.Dropout,
@@ -79,33 +79,43 @@ def blocks_of(model: nn.Module, block_types: Sequence[type[nn.Module]]) -> list[
     return blocks
 
 
-def unsharded_blocks(model: nn.Module, block_types: Sequence[type[nn.Module]]) -> list[str]:
-    """Names of the modules of ``block_types`` in ``model`` that reffsdp did not shard on
-    their own: not an ``FSDPModule`` (``fully_shard``) and not the module of a
-    ``FullyShardedDataParallel`` instance (the wrapper's auto-wrap policy or a manual wrap).
+def unsharded_blocks(
+    model: nn.Module,
+    block_types: Sequence[type[nn.Module]],
+    *,
+    impl: Implementation | str = DEFAULT,
+) -> list[str]:
+    """Names of the modules of ``block_types`` in ``model`` that ``impl`` (see
+    :mod:`reffsdp.testing.impls`; default reffsdp) did not shard on their own: not an
+    ``FSDPModule`` (``fully_shard``) and not the module of a ``FullyShardedDataParallel``
+    instance (the wrapper's auto-wrap policy or a manual wrap).
 
     Raises ``ValueError`` when ``block_types`` match no module (see :func:`blocks_of`).
     """
     types = check_block_types(block_types)
-    wrapped = {
-        id(m._fsdp_wrapped_module)
-        for m in model.modules()
-        if isinstance(m, FullyShardedDataParallel)
-    }
+    api = resolve(impl).module
+    per_param = getattr(api, "FSDPModule", ())
+    wrapper = getattr(api, "FullyShardedDataParallel", ())
+    wrapped = {id(m.module) for m in model.modules() if isinstance(m, wrapper)}
     blocks_of(model, types)
     return [
         f"{name} ({type(module).__name__})"
         for name, module in model.named_modules()
         if module is not model
         and isinstance(module, types)
-        and not isinstance(module, FSDPModule)
+        and not isinstance(module, per_param)
         and id(module) not in wrapped
     ]
 
 
-def unsharded_blocks_message(model: nn.Module, block_types: Sequence[type[nn.Module]]) -> str:
+def unsharded_blocks_message(
+    model: nn.Module,
+    block_types: Sequence[type[nn.Module]],
+    *,
+    impl: Implementation | str = DEFAULT,
+) -> str:
     """What is wrong when modules of ``block_types`` were left unsharded ("" if none)."""
-    missing = unsharded_blocks(model, block_types) if block_types else []
+    missing = unsharded_blocks(model, block_types, impl=impl) if block_types else []
     if not missing:
         return ""
     shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")

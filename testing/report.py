@@ -37,11 +37,21 @@ from rich.table import Table
 from rich.text import Text
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+# What an implementation other than reffsdp may come to (see [Note: unsupported and not
+# applicable] in suite_rank.py): refused to set up, with its message; an API it lacks.
+UNSUPPORTED, NOT_APPLICABLE = "unsupported", "not_applicable"
+_NOT_RUN = (SKIPPED, UNSUPPORTED, NOT_APPLICABLE)
 
 # Table columns for the per-step collective counts: (short header, key in ``counts``).
 COUNT_COLUMNS = (("AG", "all_gather"), ("RS", "reduce_scatter"), ("AR", "all_reduce"))
 
-_STATUS_WORDS = {PASSED: "PASS", FAILED: "FAIL", SKIPPED: "SKIP"}
+_STATUS_WORDS = {
+    PASSED: "PASS",
+    FAILED: "FAIL",
+    SKIPPED: "SKIP",
+    UNSUPPORTED: "UNSUPPORTED",
+    NOT_APPLICABLE: "N/A",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +60,8 @@ class RunInfo:
 
     torch_version: str
     reffsdp_version: str
+    impl: str  # the FSDP implementation checked: "reffsdp", "torch" or a module path
+    impl_version: str  # its __version__ (torch's for torch)
     python_version: str
     device: str  # "cpu" or "cuda"
     device_name: str  # the GPU's name, or the CPU's
@@ -69,13 +81,15 @@ class RunInfo:
 
 
 def status_word(status: str) -> str:
-    """``PASS``, ``FAIL`` or ``SKIP``; an unknown status is shown upper-cased."""
+    """``PASS``, ``FAIL``, ``SKIP``, ``UNSUPPORTED`` or ``N/A``; an unknown status is shown
+    upper-cased."""
     return _STATUS_WORDS.get(status, status.upper())
 
 
 def is_failure(status: str) -> bool:
-    """Anything but passed or skipped counts as a failure (for the exit code too)."""
-    return status not in (PASSED, SKIPPED)
+    """Anything but passed, skipped, unsupported or not applicable counts as a failure
+    (for the exit code too; unsupported fails it on its own, unless allowed)."""
+    return status not in (PASSED, *_NOT_RUN)
 
 
 def first_line(text: str, limit: int = 100) -> str:
@@ -178,7 +192,7 @@ def table_row(result: Any) -> list[str]:
         format_diff(result.max_param_diff),
         format_tolerance(result.atol, result.rtol),
         *(
-            "-" if result.status == SKIPPED else format_count(counts.get(key), expected.get(key))
+            "-" if result.status in _NOT_RUN else format_count(counts.get(key), expected.get(key))
             for _, key in COUNT_COLUMNS
         ),
         traffic,
@@ -274,23 +288,39 @@ def _render(renderables: list[Any], width: int) -> str:
 
 
 def summarize(results: Sequence[Any]) -> dict[str, int]:
-    """``{"total", "passed", "failed", "skipped"}``; unknown statuses count as failed."""
-    passed = sum(result.status == PASSED for result in results)
-    skipped = sum(result.status == SKIPPED for result in results)
-    return {
+    """``{"total", "passed", "failed", "skipped"}``, with ``"unsupported"`` and
+    ``"not_applicable"`` added when some are; unknown statuses count as failed."""
+    tally = {status: sum(r.status == status for r in results) for status in (PASSED, *_NOT_RUN)}
+    counts = {
         "total": len(results),
-        "passed": passed,
-        "failed": len(results) - passed - skipped,
-        "skipped": skipped,
+        "passed": tally[PASSED],
+        "failed": len(results) - sum(tally.values()),
+        "skipped": tally[SKIPPED],
     }
+    counts.update(
+        {status: tally[status] for status in (UNSUPPORTED, NOT_APPLICABLE) if tally[status]}
+    )
+    return counts
 
 
 def summary_line(results: Sequence[Any], seconds: float) -> str:
-    """``40 passed, 0 failed, 2 skipped in 95.3 s``."""
+    """``40 passed, 0 failed, 2 skipped in 95.3 s``; unsupported and not applicable
+    scenarios are counted where there are some::
+
+    >>> from types import SimpleNamespace as Result
+    >>> statuses = ["passed", "failed", "unsupported", "skipped", "not_applicable"]
+    >>> summary_line([Result(status=status) for status in statuses], 2.0)
+    '1 passed, 1 failed, 1 unsupported, 1 skipped, 1 not applicable in 2.0 s'
+    """
     counts = summarize(results)
+    unsupported = counts.get(UNSUPPORTED, 0)
+    not_applicable = counts.get(NOT_APPLICABLE, 0)
     return (
         f"{counts['passed']} passed, {counts['failed']} failed, "
-        f"{counts['skipped']} skipped in {seconds:.1f} s"
+        + (f"{unsupported} unsupported, " if unsupported else "")
+        + f"{counts['skipped']} skipped"
+        + (f", {not_applicable} not applicable" if not_applicable else "")
+        + f" in {seconds:.1f} s"
     )
 
 
@@ -317,12 +347,21 @@ def _indent(text: str) -> str:
 
 
 def format_skips(results: Sequence[Any]) -> str:
-    """One line per skipped scenario with its reason; ``""`` when none skipped."""
-    return "\n".join(
-        f"skipped {result.name}: {first_line(result.message, 200) or '(no reason)'}"
+    """One line per scenario that did not run (skipped, not applicable) with its reason,
+    and per unsupported one with the implementation's whole message; ``""`` when none."""
+    lines = []
+    for status, label in ((SKIPPED, "skipped"), (NOT_APPLICABLE, "not applicable")):
+        lines += [
+            f"{label} {result.name}: {first_line(result.message, 200) or '(no reason)'}"
+            for result in results
+            if result.status == status
+        ]
+    lines += [
+        f"unsupported {result.name}: {result.message.strip() or '(no message)'}"
         for result in results
-        if result.status == SKIPPED
-    )
+        if result.status == UNSUPPORTED
+    ]
+    return "\n".join(lines)
 
 
 # --- the self-test ------------------------------------------------------------------------

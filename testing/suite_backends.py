@@ -11,7 +11,10 @@ processes] there), run every scenario on ``world_size`` ranks and skip those who
 not fit.
 
 A planted bug (see :mod:`reffsdp.testing.self_test`) is a context manager factory that
-every rank enters around each scenario; rank processes are handed it by reference.
+every rank enters around each scenario; rank processes are handed it by reference. The
+implementation under test travels by name (``SuiteOptions.impl``), and each rank loads it
+(:func:`reffsdp.testing.impls.load_implementation`); scenarios of an API it lacks are
+reported not applicable here, without starting a rank.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ import torch
 import torch.distributed as dist
 
 from .collective_trace import CollectiveRecorder
+from .impls import DEFAULT, load_implementation
 from .launch import RankFailed, RankWorld, start_ranks
-from .suite_rank import ScenarioResult, run_scenario
+from .suite_rank import NOT_APPLICABLE, ScenarioResult, run_scenario
 from .suite_scenarios import ScenarioSpec
 
 BACKENDS = ("threaded", "gloo", "nccl")
@@ -54,6 +58,7 @@ class SuiteOptions:
     seed: int = 0
     nodes: int = 1  # of a launched world: HSDP replicates across them
     timeout_s: float = SCENARIO_TIMEOUT_S  # per scenario; process groups time out with it
+    impl: str = DEFAULT  # the FSDP under test: "reffsdp", "torch" or a module path
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -103,11 +108,22 @@ def scenario_info(spec: ScenarioSpec, options: SuiteOptions) -> ScenarioInfo:
     )
 
 
-def _skipped(spec: ScenarioSpec, options: SuiteOptions, reason: str) -> ScenarioResult:
+def _skipped(
+    spec: ScenarioSpec, options: SuiteOptions, reason: str, status: str = "skipped"
+) -> ScenarioResult:
     info = scenario_info(spec, options)
     return ScenarioResult(
-        **_identity(info), status="skipped", message=reason, steps=options.steps, seconds=0.0
+        **_identity(info), status=status, message=reason, steps=options.steps, seconds=0.0
     )
+
+
+def _not_run(spec: ScenarioSpec, options: SuiteOptions) -> ScenarioResult | None:
+    """The result of a scenario that does not run under ``options`` (an API the
+    implementation lacks, a mesh the world cannot hold), else ``None``."""
+    reason = load_implementation(options.impl).not_applicable(spec.api)
+    if reason:
+        return _skipped(spec, options, reason, NOT_APPLICABLE)
+    return None
 
 
 def _identity(info: ScenarioInfo) -> dict[str, Any]:
@@ -160,13 +176,22 @@ def run_threaded_one(
     """Run ``spec`` on a threaded world of the ranks it needs; rank 0's result."""
     from .multithread import RankFailure, run_threaded
 
+    not_run = _not_run(spec, options)
+    if not_run is not None:
+        return not_run
+
     world_size = spec.world_size(options.world_size, resize=True)
     found: dict[int, ScenarioResult] = {}
     device = options.device_for(0)
 
     def rank_main(rank: int) -> None:
         found[rank] = run_scenario(
-            spec, device, steps=options.steps, seed=options.seed, world_size=world_size
+            spec,
+            device,
+            steps=options.steps,
+            seed=options.seed,
+            world_size=world_size,
+            impl=options.impl,
         )
 
     start = time.perf_counter()
@@ -223,6 +248,10 @@ def _iter_threaded(
     specs: Sequence[ScenarioSpec], options: SuiteOptions, bug: BugFactory | None = None
 ) -> Iterator[ScenarioResult]:
     for spec in specs:
+        not_run = _not_run(spec, options)
+        if not_run is not None:
+            yield not_run
+            continue
         reason = spec.fits(spec.world_size(options.world_size, resize=True))
         if reason:
             yield _skipped(spec, options, reason)
@@ -280,6 +309,7 @@ def _run_on_rank(
                 seed=options.seed,
                 world_size=world.world_size,
                 nodes=options.nodes,
+                impl=options.impl,
             )
         dist.barrier()
         return result, False
@@ -317,6 +347,10 @@ def _iter_processes(
     world_size = options.world_size
     runnable = []
     for spec in specs:
+        not_run = _not_run(spec, options)
+        if not_run is not None:
+            yield not_run
+            continue
         reason = spec.fits(world_size, nodes=options.nodes)
         gpus = torch.cuda.device_count() if options.backend == "nccl" else 0
         if not reason and options.backend == "nccl" and gpus < options.ranks_per_node:

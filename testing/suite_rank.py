@@ -9,13 +9,30 @@ issues is counted and sized (see [Note: bytes sent per rank] in
 :mod:`reffsdp.testing.expected_comms`). The result is "passed" when the numbers agree AND
 the collectives per step equal the expected counts AND the bytes sent equal the analytic
 minimum. Every rank of the default group calls it together; where the ranks come from is
-:mod:`reffsdp.testing.suite_backends`' business.
+:mod:`reffsdp.testing.suite_backends`' business. The FSDP that shards is the implementation
+under test (:mod:`reffsdp.testing.impls`): reffsdp by default, torch's, or any other.
 
 [Note: why the engine counts through the comms seam]
 A ``CommCounter`` would also count DDP's all-reduces, the parity check's own verdict
 all-reduces and DTensor's tensor-parallel collectives, none of which FSDP issued. The
-engine observes reffsdp's single collective seam (:mod:`reffsdp.core.comms`) instead, for
-the length of training only (state-dict saving and loading are not a training step).
+engine observes reffsdp's single collective seam (:mod:`reffsdp.core.comms`) instead, and
+only while the sharded model runs a forward, a backward or an optimizer step
+(``check_train_parity``'s ``around_sharded_step``; state-dict saving and loading are not a
+training step). Another implementation has no such seam: there the engine observes what
+``torch.distributed`` issues in those same moments, DTensor's functional collectives left
+out (:class:`~reffsdp.testing.comm_counter.IssuedCollectives`), which sees the same
+collectives of reffsdp.
+
+[Note: unsupported and not applicable]
+A scenario the implementation refuses to set up is *unsupported*, with the implementation's
+own message: it raised while sharding or configuring the model (say torch's ``fully_shard``
+with CPU offload on a machine without an accelerator), or in the sharded model's first
+training step before it issued any collective, which is where an implementation that sets
+itself up lazily, as torch's wrapper does at its first forward, refuses. Ranks agree on it
+before going on, so all return it together. It never passes; it is not a failure of the
+checks either, and the command line fails the run on it unless told
+``--allow-unsupported``. A scenario of an API the implementation does not export (or of
+``naive``, reffsdp's own) is *not applicable* and does not run.
 
 [Note: a failure on another rank]
 ``check_train_parity`` fails on every rank together (see [Note: ranks agree on the
@@ -28,11 +45,12 @@ holds every failing rank's mismatches, and its differences are the largest any r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -40,9 +58,11 @@ import torch
 import torch.distributed as dist
 
 from .expected_comms import CommTally, expected_per_step
+from .impls import DEFAULT, Implementation, resolve
 from .parity import ParityDiffs, check_train_parity
-from .patching import observe_collectives
-from .suite_scenarios import BuiltScenario, ScenarioSpec, build_scenario
+from .suite_scenarios import BuiltScenario, ScenarioSpec, Unsupported, build_scenario
+
+UNSUPPORTED, NOT_APPLICABLE = "unsupported", "not_applicable"
 
 
 @dataclasses.dataclass
@@ -52,8 +72,8 @@ class ScenarioResult:
     mesh: str
     feature: str
     model: str
-    status: str  # "passed" | "failed" | "skipped"
-    message: str  # failure text or skip reason ("" when passed)
+    status: str  # "passed" | "failed" | "skipped" | "unsupported" | "not_applicable"
+    message: str  # failure text, skip reason, the implementation's refusal ("" when passed)
     world_size: int
     steps: int
     max_loss_diff: float | None = None
@@ -125,11 +145,43 @@ def _merge(a: ParityDiffs | None, b: ParityDiffs | None) -> ParityDiffs | None:
     return merged
 
 
-def _train(built: BuiltScenario, model: Any, ref_model: Any, steps: int, tally: CommTally):
-    with observe_collectives(tally.observe):
-        return check_train_parity(
-            None, ref_model, model, built.make_inputs, num_steps=steps, **built.check_kwargs
-        )
+class _ShardedSteps:
+    """What happens around each step of the sharded model (its forwards and backwards, its
+    optimizer step): ``impl``'s collectives are counted in ``tally``, and what it raises in
+    the first, before any collective, is its refusal to set up ([Note: unsupported and not
+    applicable])."""
+
+    def __init__(self, impl: Implementation, tally: CommTally) -> None:
+        self.impl = impl
+        self.tally = tally
+        self.entered = 0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        self.entered += 1
+        try:
+            with self.impl.observe_collectives(self.tally.record):
+                yield
+        except Exception as error:
+            if self.entered > 1 or self.tally.counts or isinstance(error, AssertionError):
+                raise
+            text = "".join(traceback.format_exception_only(type(error), error)).strip()
+            raise Unsupported(
+                f"{self.impl.name}'s first training step raised {text}\n(before any "
+                "collective: the implementation was setting itself up)"
+            ) from error
+
+
+def _train(built: BuiltScenario, model: Any, ref_model: Any, steps: int, around: _ShardedSteps):
+    return check_train_parity(
+        None,
+        ref_model,
+        model,
+        built.make_inputs,
+        num_steps=steps,
+        around_sharded_step=around,
+        **built.check_kwargs,
+    )
 
 
 def _state_dict_phases(steps: int) -> tuple[int, int]:
@@ -141,16 +193,16 @@ def _state_dict_phases(steps: int) -> tuple[int, int]:
 def _train_phases(
     built: BuiltScenario,
     steps: int,
-    tally: CommTally,
     seen: list[ParityDiffs],
     losses: list[float],
+    around: _ShardedSteps,
 ) -> None:
     """Train ``built`` against its reference for ``steps`` steps, or, for a state-dict
     scenario, part of them, then save, load into a fresh model and train the rest; each
     phase's differences go to ``seen`` and its losses to ``losses`` as it ends."""
 
     def phase(model: Any, ref_model: Any, count: int) -> None:
-        trained = _train(built, model, ref_model, count, tally)
+        trained = _train(built, model, ref_model, count, around)
         seen.append(trained.diffs)
         losses.extend(trained)
 
@@ -201,14 +253,18 @@ def run_scenario(
     seed: int = 0,
     world_size: int | None = None,
     nodes: int = 1,
+    impl: Implementation | str = DEFAULT,
 ) -> ScenarioResult:
-    """Run ``spec`` on this rank; every rank of the default group calls it together.
+    """Run ``spec`` on this rank with the FSDP implementation ``impl`` (see
+    :mod:`reffsdp.testing.impls`); every rank of the default group calls it together.
 
     Every rank returns the same verdict (parity checks agree across ranks; the counts are
     this rank's); ``nodes`` (a launched world's) shape the HSDP mesh. A parity failure is a
-    failed result, not an exception; anything else
-    raised (a crash inside reffsdp) propagates, since the ranks may be out of step.
+    failed result, not an exception, and so is a scenario ``impl`` refuses to set up (an
+    unsupported one: [Note: unsupported and not applicable]); anything else raised (a
+    crash inside the implementation) propagates, since the ranks may be out of step.
     """
+    impl = resolve(impl)
     start = time.perf_counter()
     ws = dist.get_world_size() if world_size is None else world_size
     result = ScenarioResult(
@@ -225,13 +281,28 @@ def run_scenario(
     if spec.skip:
         result.status, result.message = "skipped", spec.skip
         return result
+    reason = impl.not_applicable(spec.api)
+    if reason:
+        result.status, result.message = NOT_APPLICABLE, reason
+        return result
     # No torch.manual_seed here: under threaded ranks it would reseed the RNG another rank
     # is building from. Models are built seeded, one at a time (testing.build.build_seeded).
-    built = build_scenario(spec, device, seed=seed, nodes=nodes)
+    try:
+        built = build_scenario(spec, device, impl, seed=seed, nodes=nodes)
+        refusal = None
+    except Unsupported as error:
+        refusal = error
+    if _refused(result, refusal, device):
+        result.seconds = time.perf_counter() - start
+        return result
     tally = CommTally()
     seen: list[ParityDiffs] = []  # each training phase's differences
     try:
-        _train_phases(built, steps, tally, seen, result.losses)
+        _train_phases(built, steps, seen, result.losses, _ShardedSteps(impl, tally))
+    except Unsupported as error:  # refused to shard the reloaded model of a state-dict one
+        _refused(result, error, device)
+        result.seconds = time.perf_counter() - start
+        return result
     except AssertionError as error:
         if not hasattr(error, "parity"):  # not the checker's (agreed) verdict: a crash
             raise
@@ -245,6 +316,29 @@ def run_scenario(
     _record_comms(result, built, tally, trained_steps)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _refused(result: ScenarioResult, refusal: Unsupported | None, device: torch.device) -> bool:
+    """Whether any rank's implementation refused the scenario; if so, ``result`` is
+    unsupported on every rank, with the refusals' messages (each rank's when they differ)."""
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL: CUDA only
+    refused = torch.tensor([float(refusal is not None)], device=on)
+    dist.all_reduce(refused)
+    if not refused.item():
+        return False
+    messages: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if refusal is None else str(refusal))
+    distinct = list(dict.fromkeys(message for message in messages if message is not None))
+    result.status = UNSUPPORTED
+    if len(distinct) == 1 and None not in messages:
+        result.message = distinct[0]
+    else:
+        result.message = "\n".join(
+            f"rank {rank}: {message}" for rank, message in enumerate(messages) if message
+        )
+    if refusal is not None:
+        result.traceback = "".join(traceback.format_exception(refusal.__cause__ or refusal))
+    return True
 
 
 def _check_comms(

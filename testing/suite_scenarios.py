@@ -2,7 +2,9 @@
 
 A scenario is one combination of API (``fully_shard`` or the ``FullyShardedDataParallel``
 wrapper, and two ``naive`` ones), mesh, feature and model. :func:`build_scenario` builds it
-on the calling rank: the unsharded reference, the sharded model, the inputs, the arguments for
+on the calling rank, sharded by the implementation under test (reffsdp, torch's or another:
+:mod:`reffsdp.testing.impls`; only reffsdp has ``naive``): the unsharded reference, the
+sharded model, the inputs, the arguments for
 :func:`~reffsdp.testing.parity.check_train_parity`, and the parameter groups the expected
 collectives are computed from (see :mod:`reffsdp.testing.expected_comms`). The engine in
 :mod:`reffsdp.testing.parity_suite` runs them.
@@ -58,9 +60,11 @@ scale (one column) cannot have, so that form is only usable where dim 0 divides.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -71,6 +75,7 @@ from torch.utils._pytree import tree_map_only
 
 from .build import build_seeded
 from .expected_comms import CommUnit, StepShape, fully_shard_units, naive_units, wrapper_units
+from .impls import Implementation
 from .inputs import random_inputs, random_tokens
 from .low_precision import Float8GatherReference, float8_weight_names, to_float8_gather
 from .models import (
@@ -403,10 +408,26 @@ def _apply_tensor_parallel(model: nn.Module, spec: ScenarioSpec, tp_mesh: Any) -
         parallelize_module(block, tp_mesh, plan)
 
 
-def _shard_fully(model: nn.Module, spec: ScenarioSpec, mesh: _Mesh) -> tuple[nn.Module, list]:
-    """``fully_shard`` every block, then the root; returns the model and its groups."""
-    from reffsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+class Unsupported(Exception):
+    """The implementation under test refused to set a scenario up: it raised while sharding
+    or configuring the model. Its message is the implementation's own."""
 
+
+@contextlib.contextmanager
+def _set_up_by(impl: Implementation, call: str) -> Iterator[None]:
+    """Turn whatever ``impl`` raises in ``call`` into :class:`Unsupported`."""
+    try:
+        yield
+    except Exception as error:
+        text = "".join(traceback.format_exception_only(type(error), error)).strip()
+        raise Unsupported(f"{impl.name}'s {call} raised {text}") from error
+
+
+def _shard_fully(
+    model: nn.Module, spec: ScenarioSpec, mesh: _Mesh, impl: Implementation
+) -> tuple[nn.Module, list]:
+    """``fully_shard`` every block, then the root; returns the model and its groups."""
+    api = impl.module
     kwargs: dict[str, Any] = {"mesh": mesh.fsdp_mesh}
     reshard = None
     if spec.feature == "reshard":
@@ -415,9 +436,13 @@ def _shard_fully(model: nn.Module, spec: ScenarioSpec, mesh: _Mesh) -> tuple[nn.
     param_dtype = reduce_dtype = None
     if spec.feature == "bf16":
         param_dtype, reduce_dtype = BF16, torch.float32
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    with _set_up_by(impl, "MixedPrecisionPolicy"):
+        mp_policy = api.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if spec.feature == "bf16":
+        kwargs["mp_policy"] = mp_policy
     if spec.feature == "offload":
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        with _set_up_by(impl, "CPUOffloadPolicy"):
+            kwargs["offload_policy"] = api.CPUOffloadPolicy()
     if spec.feature == "fp8-gather":
         to_float8_gather(model, FP8_GATHER_HOOK_ARGUMENTS[spec.mesh])
     blocks = _blocks(model, spec)
@@ -427,15 +452,18 @@ def _shard_fully(model: nn.Module, spec: ScenarioSpec, mesh: _Mesh) -> tuple[nn.
         reshard_after_forward=reshard,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
+        mp_policy=mp_policy,
+        size_handshakes=impl.size_handshakes,
     )
-    for block in blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    with _set_up_by(impl, "fully_shard"):
+        for block in blocks:
+            api.fully_shard(block, **kwargs)
+        api.fully_shard(model, **kwargs)
     return model, units
 
 
-def _wrapper_strategy(spec: ScenarioSpec) -> Any:
-    from reffsdp import ShardingStrategy
+def _wrapper_strategy(spec: ScenarioSpec, impl: Implementation) -> Any:
+    ShardingStrategy = impl.module.ShardingStrategy
 
     if spec.mesh == "hsdp":
         if spec.feature == "reshard":
@@ -446,21 +474,27 @@ def _wrapper_strategy(spec: ScenarioSpec) -> Any:
     return ShardingStrategy.FULL_SHARD
 
 
-def _wrap(model: nn.Module, spec: ScenarioSpec, mesh: _Mesh) -> tuple[nn.Module, list]:
+def _wrap(
+    model: nn.Module, spec: ScenarioSpec, mesh: _Mesh, impl: Implementation, device: torch.device
+) -> tuple[nn.Module, list]:
     """``FullyShardedDataParallel`` over every block (auto-wrap policy) and the root."""
-    from reffsdp import CPUOffload, MixedPrecision, ShardingStrategy
-
     from .build import wrap_blocks
 
-    strategy = _wrapper_strategy(spec)
-    kwargs: dict[str, Any] = dict(mesh.wrapper_kwargs)
+    api = impl.module
+    ShardingStrategy = api.ShardingStrategy
+    strategy = _wrapper_strategy(spec, impl)
+    kwargs: dict[str, Any] = {**mesh.wrapper_kwargs, **impl.wrapper_kwargs(device)}
     use_orig_params = spec.feature == "orig-params"
     param_dtype = reduce_dtype = None
     if spec.feature == "bf16":
         param_dtype, reduce_dtype = BF16, torch.float32
-        kwargs["mixed_precision"] = MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32)
+        with _set_up_by(impl, "MixedPrecision"):
+            kwargs["mixed_precision"] = api.MixedPrecision(
+                param_dtype=BF16, reduce_dtype=torch.float32
+            )
     if spec.feature == "offload":
-        kwargs["cpu_offload"] = CPUOffload(offload_params=True)
+        with _set_up_by(impl, "CPUOffload"):
+            kwargs["cpu_offload"] = api.CPUOffload(offload_params=True)
     classes = _wrap_classes(spec)
     wrapped_modules = [m for m in model.modules() if isinstance(m, tuple(classes))]
     units = wrapper_units(
@@ -472,23 +506,31 @@ def _wrap(model: nn.Module, spec: ScenarioSpec, mesh: _Mesh) -> tuple[nn.Module,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
     )
-    wrapped = wrap_blocks(
-        model, classes, sharding_strategy=strategy, use_orig_params=use_orig_params, **kwargs
-    )
+    with _set_up_by(impl, "FullyShardedDataParallel"):
+        wrapped = wrap_blocks(
+            model,
+            classes,
+            impl=impl,
+            sharding_strategy=strategy,
+            use_orig_params=use_orig_params,
+            **kwargs,
+        )
     return wrapped, units
 
 
-def _shard(spec: ScenarioSpec, model: nn.Module, mesh: _Mesh) -> tuple[nn.Module, list]:
+def _shard(
+    spec: ScenarioSpec, model: nn.Module, mesh: _Mesh, impl: Implementation, device: torch.device
+) -> tuple[nn.Module, list]:
     if spec.mesh in TP_MESHES:
         _apply_tensor_parallel(model, spec, mesh.tp_mesh)
     if spec.api == "fully_shard":
-        return _shard_fully(model, spec, mesh)
-    if spec.api == "naive":
+        return _shard_fully(model, spec, mesh, impl)
+    if spec.api == "naive":  # reffsdp's alone (Implementation.not_applicable)
         from reffsdp.naive import NaiveFSDP
 
         units = naive_units(model, mesh.shard_size)  # from the unsharded shapes
         return NaiveFSDP(model), units
-    return _wrap(model, spec, mesh)
+    return _wrap(model, spec, mesh, impl, device)
 
 
 def _no_sync(spec: ScenarioSpec) -> Callable[[nn.Module], Any]:
@@ -497,17 +539,19 @@ def _no_sync(spec: ScenarioSpec) -> Callable[[nn.Module], Any]:
     return lambda module: module.no_sync()
 
 
-def _state_dict_reload(spec: ScenarioSpec, device: torch.device, seed: int, mesh: _Mesh):
+def _state_dict_reload(
+    spec: ScenarioSpec, device: torch.device, seed: int, mesh: _Mesh, impl: Implementation
+):
     """Save ``model``'s state dict, load it into a fresh sharded model, return that one."""
     full = spec.feature == "sd-full"
 
     def reload(model: nn.Module) -> nn.Module:
         fresh = _new_model(spec, device, seed + 1)  # other weights: loading must matter
         _freeze(spec, fresh)
-        fresh, _ = _shard(spec, fresh, mesh)
+        fresh, _ = _shard(spec, fresh, mesh, impl, device)
         if spec.api == "wrapper":
-            from reffsdp import FullyShardedDataParallel, StateDictType
-
+            FullyShardedDataParallel = impl.module.FullyShardedDataParallel
+            StateDictType = impl.module.StateDictType
             kind = StateDictType.FULL_STATE_DICT if full else StateDictType.SHARDED_STATE_DICT
             with FullyShardedDataParallel.state_dict_type(model, kind):
                 state = model.state_dict()
@@ -531,18 +575,24 @@ def _state_dict_reload(spec: ScenarioSpec, device: torch.device, seed: int, mesh
 
 
 def build_scenario(
-    spec: ScenarioSpec, device: torch.device, *, seed: int = 0, nodes: int = 1
+    spec: ScenarioSpec,
+    device: torch.device,
+    impl: Implementation,
+    *,
+    seed: int = 0,
+    nodes: int = 1,
 ) -> BuiltScenario:
-    """Build ``spec`` on this rank; every rank of the default group calls it together.
-    ``nodes``: those of a launched world, across which HSDP replicates."""
+    """Build ``spec`` on this rank, sharded by ``impl``; every rank of the default group
+    calls it together. ``nodes``: those of a launched world, across which HSDP replicates.
+    Raises :class:`Unsupported` when ``impl`` refuses to shard or configure the model."""
     mesh = _make_mesh(spec.mesh, device.type, spec.api, nodes)
     model = _new_model(spec, device, seed)
     _freeze(spec, model)
     ref_model = copy.deepcopy(model)
-    model, units = _shard(spec, model, mesh)
+    model, units = _shard(spec, model, mesh, impl, device)
     check_kwargs: dict[str, Any] = {"optimizer_factory": LocalSGD}
     if spec.custom is not None:
-        unsharded = unsharded_blocks_message(model, spec.custom.block_types)
+        unsharded = unsharded_blocks_message(model, spec.custom.block_types, impl=impl)
         if unsharded:
             raise AssertionError(f"{spec.name}: {unsharded}")
         check_kwargs.update(spec.custom.check_kwargs())
@@ -564,7 +614,7 @@ def build_scenario(
         check_kwargs.update(TP_TOLERANCES[spec.feature == "bf16"])
     reload = None
     if spec.feature in ("sd-full", "sd-sharded"):
-        reload = _state_dict_reload(spec, device, seed, mesh)
+        reload = _state_dict_reload(spec, device, seed, mesh, impl)
     shape = StepShape(
         shard_size=mesh.shard_size,
         replicate_size=mesh.replicate_size,

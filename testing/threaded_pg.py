@@ -135,7 +135,7 @@ class ThreadedProcessGroup(dist.ProcessGroup):
         invisible to a ``TorchDispatchMode``, and the rank that happens to arrive last would
         otherwise show every rank's arithmetic to its own modes.
         """
-        comm_counter.record_collective(call.op.kind, call.nbytes)
+        comm_counter.record_collective(call.op.kind, call.nbytes, self)
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         with _disable_current_modes():
             results = self._rendezvous.join(self.rank(), seq, call, self._timeout_s)

@@ -354,19 +354,48 @@ SWAP_MAY_IMPORT = {
 }
 
 
+# The parity suite checks torch's FSDP as an implementation under test (``--impl torch``):
+# this one module presents it, importing torch.distributed.fsdp and nothing else of it.
+TORCH_IMPL = ROOT / "testing" / "impls" / "torch_fsdp.py"
+TORCH_IMPL_MAY_IMPORT = {"torch.distributed.fsdp"}
+
+
+def _may_import(path: pathlib.Path, name: str) -> bool:
+    if path == SWAP:
+        return name in SWAP_MAY_IMPORT
+    return path == TORCH_IMPL and name in TORCH_IMPL_MAY_IMPORT
+
+
 def test_sources_never_import_torch_fsdp_or_torch_internal_testing():
     """No file of the package, its testing helpers or its benchmark imports either (the swap
-    aside, below); torch's implementations the benchmark measures against are built under
-    ``tests/``."""
+    and the parity suite's presentation of torch's FSDP aside, below); torch's
+    implementations the benchmark measures against are built under ``tests/``."""
     sources = _package_sources()
     assert len(sources) > 10
-    assert BENCH / "impls.py" in sources and SWAP in sources
+    assert BENCH / "impls.py" in sources and SWAP in sources and TORCH_IMPL in sources
     offenders = []
     for path in sources:
         for name in _imported_modules(ast.parse(path.read_text(), filename=str(path))):
-            if name.startswith(FORBIDDEN) and not (path == SWAP and name in SWAP_MAY_IMPORT):
+            if name.startswith(FORBIDDEN) and not _may_import(path, name):
                 offenders.append(f"{path.relative_to(ROOT)}: {name}")
     assert offenders == []
+    torch_impl_imports = set(_imported_modules(ast.parse(TORCH_IMPL.read_text())))
+    assert torch_impl_imports & TORCH_IMPL_MAY_IMPORT == TORCH_IMPL_MAY_IMPORT
+
+
+def test_only_the_implementation_loader_reaches_torchs_fsdp_and_reffsdp_never_does():
+    """``testing/impls/torch_fsdp.py`` is imported by the loader of ``--impl`` alone (which
+    imports it only when torch is named); nothing under ``reffsdp/`` imports the testing
+    package's implementations at all."""
+    importers = []
+    for path in _package_sources():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("torch_fsdp"):
+                importers.append(path)
+        if path.is_relative_to(ROOT / "reffsdp"):
+            assert not [n for n in _imported_modules(tree) if "testing.impls" in n], path
+    assert importers == [ROOT / "testing" / "impls" / "__init__.py"]
 
 
 def test_the_swap_only_rebinds_torchs_names():
