@@ -26,9 +26,10 @@ collectives of reffsdp.
 [Note: unsupported and not applicable]
 A scenario the implementation refuses to set up is *unsupported*, with the implementation's
 own message: it raised while sharding or configuring the model (say torch's ``fully_shard``
-with CPU offload on a machine without an accelerator), or in the sharded model's first
-training step before it issued any collective, which is where an implementation that sets
-itself up lazily, as torch's wrapper does at its first forward, refuses. Ranks agree on it
+with CPU offload on a machine without an accelerator), or before it issued any collective:
+when the checker first reads its parameters (through its public API) or in its first
+training step, which is where an implementation that sets itself up lazily, as torch's
+wrapper does, refuses. Ranks agree on it
 before going on, so all return it together. It never passes; it is not a failure of the
 checks either, and the command line fails the run on it unless told
 ``--allow-unsupported``. A scenario of an API the implementation does not export (or of
@@ -173,15 +174,27 @@ class _ShardedSteps:
 
 
 def _train(built: BuiltScenario, model: Any, ref_model: Any, steps: int, around: _ShardedSteps):
-    return check_train_parity(
-        None,
-        ref_model,
-        model,
-        built.make_inputs,
-        num_steps=steps,
-        around_sharded_step=around,
-        **built.check_kwargs,
-    )
+    try:
+        return check_train_parity(
+            None,
+            ref_model,
+            model,
+            built.make_inputs,
+            num_steps=steps,
+            around_sharded_step=around,
+            **built.check_kwargs,
+        )
+    except Exception as error:
+        # Before the first step the checker only reads the sharded model's parameters, through
+        # the implementation's public API; an implementation that sets itself up lazily (torch's
+        # wrapper) may refuse right there.
+        if around.entered or around.tally.counts or isinstance(error, AssertionError):
+            raise
+        text = "".join(traceback.format_exception_only(type(error), error)).strip()
+        raise Unsupported(
+            f"{around.impl.name} raised {text}\n(before its first training step, as its "
+            "parameters were first read: the implementation was setting itself up)"
+        ) from error
 
 
 def _state_dict_phases(steps: int) -> tuple[int, int]:

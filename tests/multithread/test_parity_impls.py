@@ -61,8 +61,8 @@ def test_torch_passes_both_apis_on_1d_and_hsdp_and_its_refusals_are_unsupported(
     offload = results["wrapper/1d/offload/transformer"]
     assert offload.status == "unsupported"
     assert offload.message == (
-        f"torch's first training step raised {NO_ACCELERATOR}\n"
-        "(before any collective: the implementation was setting itself up)"
+        f"torch raised {NO_ACCELERATOR}\n(before its first training step, as its parameters "
+        "were first read: the implementation was setting itself up)"
     )
     naive = results["naive/1d/fp32/mlp"]
     assert naive.status == "not_applicable" and "NaiveFSDP" in naive.message
