@@ -54,12 +54,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    is_traceable_wrapper_subclass_type,
-)
 
 from reffsdp.core.comms import Collective
+
+from .torch_private import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 # Where a dispatched op keeps the tensors whose bytes it reports (see [Note: what nbytes
 # means]): the index of a positional argument, _RESULT for the op's return value, or None

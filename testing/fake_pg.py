@@ -14,8 +14,8 @@ exactly those of a real run and the numbers are meaningless:
 
 * all-gather copies the local input into every rank's slot of the output;
 * reduce-scatter copies this rank's chunk of the input into the output (no reduction) on
-  torch 2.13 and newer, and leaves the output as it was before (entry 6 of [Note: torch
-  versions] in ``reffsdp.core.compat``);
+  torch 2.13 and newer, and leaves the output as it was before (entry H3 of [Note: torch
+  versions of the harness] in ``reffsdp.testing.torch_private``);
 * all-reduce and broadcast leave the tensor as it is.
 
 Its collectives go through the dispatcher like gloo's and NCCL's, so
@@ -23,8 +23,8 @@ Its collectives go through the dispatcher like gloo's and NCCL's, so
 
 [Note: registering the backend]
 ``dist.Backend`` knows the name ``"fake"`` (from torch 2.11 on), but the factory that builds
-the group is registered only when ``torch.testing._internal.distributed.fake_pg`` is
-imported, which reffsdp does not do. :func:`register_fake_backend` registers our own factory
+the group is registered only when torch's internal testing module for it is imported,
+which reffsdp does not do. :func:`register_fake_backend` registers our own factory
 over the C++ class when nobody has registered one yet.
 """
 
@@ -38,6 +38,8 @@ import torch.distributed as dist
 
 from reffsdp.core import comms
 
+from . import torch_private
+
 FAKE_BACKEND = "fake"
 
 
@@ -49,20 +51,9 @@ class FakeStore(dist.Store):
     """
 
 
-def _fake_process_group_class() -> Any:
-    try:
-        from torch._C._distributed_c10d import FakeProcessGroup
-    except ImportError as error:
-        raise RuntimeError(
-            "this torch build has no FakeProcessGroup (torch._C._distributed_c10d); "
-            "fake process groups need a torch built with distributed support"
-        ) from error
-    return FakeProcessGroup
-
-
 def _create_fake_backend(common_options: Any, backend_options: Any) -> Any:
     """The factory ``init_process_group("fake", ...)`` calls to build the C++ group."""
-    fake_class = _fake_process_group_class()
+    fake_class = torch_private.fake_process_group_class()
     rank, size = common_options.group_rank, common_options.group_size
     create = getattr(fake_class, "_create_internal", None)
     if create is None:
@@ -77,9 +68,10 @@ def register_fake_backend() -> None:
     """Make ``"fake"`` a usable backend name; a no-op when a factory is already registered."""
     # Its collectives compute nothing, so it takes every reduce op a real run would use.
     comms.register_reduce_ops(FAKE_BACKEND, [dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM])
-    if FAKE_BACKEND.upper() in dist.Backend._plugins:
+    if torch_private.registered_backend_creator(FAKE_BACKEND) is not None:
         return
-    _fake_process_group_class()  # fail here, with a clear message, not at group creation
+    # Fail here, with a clear message, not at group creation.
+    torch_private.fake_process_group_class()
     dist.Backend.register_backend(
         FAKE_BACKEND,
         _create_fake_backend,

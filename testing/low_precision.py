@@ -67,7 +67,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves, tree_map_only
+
+from reffsdp.core.torch_internals import tree_leaves, tree_map_only
+
+from . import torch_private
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448.0
@@ -184,23 +187,14 @@ class Float8GatherWeight(torch.Tensor):
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, unsharded_rows: int | None = None):
         # a tensor with no storage of its own: its data is _tensor's
-        return torch.Tensor._make_wrapper_subclass(
-            cls,
-            tensor.size(),
-            strides=tensor.stride(),
-            storage_offset=tensor.storage_offset(),
-            dtype=tensor.dtype,
-            layout=tensor.layout,
-            device=tensor.device,
-            requires_grad=tensor.requires_grad,
-        )
+        return torch_private.make_wrapper_subclass(cls, tensor)
 
     def __init__(self, tensor: torch.Tensor, unsharded_rows: int | None = None) -> None:
         self._tensor = tensor
         self.unsharded_rows = tensor.shape[0] if unsharded_rows is None else unsharded_rows
 
     # Torch functions go straight to __torch_dispatch__, as for every wrapper subclass.
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch_private.DISABLED_TORCH_FUNCTION
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._tensor}, unsharded_rows={self.unsharded_rows})"

@@ -98,6 +98,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 import torch.distributed as dist
 
+from reffsdp.testing import torch_private
 from reffsdp.testing.collective_trace import (
     CollectiveRecorder,
     RankTrace,
@@ -119,7 +120,7 @@ from reffsdp.testing.launch import (
 from reffsdp.testing.launched_world import read_launched_env
 
 # Imported by the fork server: [Note: start-up cost].
-_PRELOADED = ["torch", "torch.distributed.tensor", "torch._dynamo"]
+_PRELOADED = ["torch", "torch.distributed.tensor", torch_private.DYNAMO_MODULE]
 _GRACE_S = 2.0  # once a rank stops abnormally, how long the others get to report
 _STACK_DUMP_WAIT_S = 2.0  # how long a hung rank may take to write its stacks
 _POLL_S = 0.1  # how often the pytest process looks for mismatched collectives

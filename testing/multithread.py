@@ -79,6 +79,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from reffsdp.testing import torch_private
 from reffsdp.testing.common import DistributedTestMixin
 from reffsdp.testing.logical_streams import rank_context
 from reffsdp.testing.thread_world import prepare_rank_thread, release_rank_thread, threaded_world
@@ -161,7 +162,7 @@ class _ThreadedRun:
         __tracebackhide__ = True  # pytest leaves this frame out of a rank's traceback
         prepare_rank_thread()
         _rank_thread.stop = self.stop
-        world = dist.distributed_c10d._world  # this run's (see threaded_world)
+        world = torch_private.c10d_world()  # this run's (see threaded_world)
         self.in_test.add(rank)
         try:
             try:
@@ -182,7 +183,7 @@ class _ThreadedRun:
             try:
                 # A rank ended late may get here after the run has put c10d's own world
                 # back (see [Note: stopping a rank thread]): that world is not its to touch.
-                if dist.distributed_c10d._world is world and dist.is_initialized():
+                if torch_private.c10d_world() is world and dist.is_initialized():
                     dist.destroy_process_group()  # unless the test destroyed it already
             except BaseException as exc:
                 self.record_failure(rank, exc)

@@ -53,9 +53,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_leaves
 
 from reffsdp.core.autograd_hooks import map_tensors
+from reffsdp.core.torch_internals import tree_leaves
 
 from . import preflight
 from .expected_comms import COUNT_KEYS, CommTally

@@ -55,11 +55,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.flop_counter import flop_registry
 
 from .stream_trace import OpCost
 from .stream_types import RankStreams, SimStream
+from .torch_private import TorchDispatchMode, is_traceable_wrapper_subclass
 
 RULES = {
     1: "rule 1: the all-gather stream waits for the compute stream (or the post-optimizer "

@@ -29,7 +29,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import torch
+from reffsdp.core import torch_internals
 
 from .stream_types import RankStreams, SimStream, SimulatedStreams
 
@@ -107,17 +107,12 @@ class StreamLog:
         if self.rank.phases:
             return self.rank.phases[-1]
         if stream.name == "compute":
-            return "backward" if _in_backward() else "compute"
+            return "backward" if torch_internals.in_backward() else "compute"
         if stream.name == "all-gather":
             return "copy-in"  # the buffer's allocation, casts of the shards
         if stream.name == "host":
             return "host"  # e.g. an optimizer stepping offloaded parameters
         return op
-
-
-def _in_backward() -> bool:
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
 
 
 # -- laying the log out in time ------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import torch_private
 from .collective_trace import CollectiveRecorder
 from .impls import DEFAULT, load_implementation
 from .launch import RankFailed, RankWorld, start_ranks
@@ -145,7 +146,7 @@ def _quiet() -> Iterator[None]:
     """Keep expected noise out of the suite's output: the deprecation warnings the
     wrapper's state-dict API repeats from torch's, and DTensor's note that gathering a full
     tensor of a 2-D sharded parameter takes two all-gathers (the full state dicts)."""
-    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    logger = logging.getLogger(torch_private.DTENSOR_REDISTRIBUTE_LOGGER)
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:

@@ -71,7 +71,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map_only
+
+from reffsdp.core.torch_internals import tree_map_only
 
 from .build import build_seeded
 from .expected_comms import CommUnit, StepShape, fully_shard_units, naive_units, wrapper_units

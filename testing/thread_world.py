@@ -1,6 +1,6 @@
 """A per-thread c10d world, so that one thread per rank can each call ``init_process_group``.
 
-c10d keeps its process groups in one module-level object, ``distributed_c10d._world``: the
+c10d keeps its process groups in one module-level object, its private ``_World``: the
 default group, the group-to-name and group-to-ranks maps, the group counter used to name new
 groups, and a few more. Within one process that state is shared, so a second thread calling
 ``init_process_group`` would see "already initialized". :class:`ThreadLocalWorld` answers the
@@ -13,10 +13,10 @@ restored on exit:
 * c10d's C++ group-name registry (which functional collectives use to find a group by name)
   becomes thread-local through ``_set_thread_isolation_mode(True)``;
 * DTensor's sharding propagation traces ops under a fake-tensor mode, which two threads must
-  not do at once: that step is serialized (entry 3 of [Note: torch versions] in
-  ``reffsdp.core.compat``, for how on each torch);
+  not do at once: that step is serialized (entry H1 of [Note: torch versions of the
+  harness] in ``reffsdp.testing.torch_private``, for how on each torch);
 * torch 2.15's flight recorder, which cannot record a group implemented in Python, is kept
-  off the threaded groups (entry 4 there);
+  off the threaded groups (entry H2 there);
 * ``init_process_group`` writes two module globals (the backend name and init method) and
   wraps ``sys.excepthook`` with a rank prefix, from every rank thread; DTensor's random
   ops create a module-level RNG tracker bound to a rank's mesh. All are put back.
@@ -38,9 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reffsdp.core import compat, torch_internals
-
-_c10d = dist.distributed_c10d
+from reffsdp.testing import torch_private
 
 
 @dataclasses.dataclass
@@ -72,7 +70,7 @@ def _per_thread(name: str, *, settable: bool = False) -> property:
     return property(getter, setter if settable else None, doc=f"This thread's ``{name}``.")
 
 
-class ThreadLocalWorld(_c10d._World):
+class ThreadLocalWorld(torch_private.C10D_WORLD_BASE):
     """c10d's ``_World`` with every field kept per thread.
 
     It subclasses ``_World`` so that anything torch derives from those fields (such as
@@ -123,22 +121,17 @@ def threaded_world() -> Iterator[ThreadLocalWorld]:
     is refused: two overlapping threaded runs in one process would share the C++ isolation
     switch and could not restore each other's state.
     """
-    if isinstance(_c10d._world, ThreadLocalWorld):
+    if isinstance(torch_private.c10d_world(), ThreadLocalWorld):
         raise RuntimeError("a threaded world is already installed; threaded runs cannot nest")
-    from torch.distributed.tensor import _random as dtensor_random
-
     from reffsdp.testing.threaded_pg import BACKEND_NAME
 
     world = ThreadLocalWorld()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_restored(_c10d, "_world", "_backend", "_default_pg_init_method"))
         stack.enter_context(_restored(sys, "excepthook"))
-        stack.enter_context(_restored(dtensor_random, "_rng_tracker"))
-        stack.enter_context(compat.serialized_sharding_propagation())
-        stack.enter_context(compat.no_flight_recorder_for(BACKEND_NAME))
-        _c10d._world = world
-        torch._C._distributed_c10d._set_thread_isolation_mode(True)
-        stack.callback(torch._C._distributed_c10d._set_thread_isolation_mode, False)
+        stack.enter_context(torch_private.dtensor_rng_tracker_restored())
+        stack.enter_context(torch_private.serialized_sharding_propagation())
+        stack.enter_context(torch_private.no_flight_recorder_for(BACKEND_NAME))
+        stack.enter_context(torch_private.c10d_world_installed(world))
         yield world
 
 
@@ -169,4 +162,4 @@ def release_rank_thread() -> None:
     """A rank thread's last step: free its DTensor cache, one thread at a time (see
     [Note: a rank thread's DTensor cache])."""
     with _FREEING_DTENSOR_CACHE:
-        torch_internals.free_dtensor_thread_cache()
+        torch_private.free_dtensor_thread_cache()

@@ -25,7 +25,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import (
+from torch.distributed import (
     AllreduceCoalescedOptions,
     AllreduceOptions,
     BroadcastOptions,
@@ -34,10 +34,9 @@ from torch._C._distributed_c10d import (
     ReduceScatterOptions,
     ScatterOptions,
 )
-from torch.utils._python_dispatch import _disable_current_modes
 
 from reffsdp.core import comms, compat
-from reffsdp.testing import comm_counter
+from reffsdp.testing import comm_counter, torch_private
 from reffsdp.testing.threaded_ops import Op, RankCall, ReduceSpec, write_results
 from reffsdp.testing.threaded_rendezvous import CollectiveAborted, GroupRendezvous, ThreadedJob
 
@@ -59,21 +58,9 @@ if compat.PREMUL_SUM_FACTOR_READABLE:
 
 
 def _completed_work(outputs: list[torch.Tensor]) -> dist.Work:
-    """A work that is already done; its future's value is the list of output tensors.
-
-    C++ readers of the future, such as DDP's built-in FP16 compression hook, require the
-    value to be a typed tensor list. A future completed from Python holds an opaque Python
-    object instead, so a non-empty list goes through ``torch._C.fork`` (what
-    ``torch.jit.fork`` calls, minus its deprecation warning), which outside TorchScript runs
-    the function at once and stores its result with the inferred type. An empty list has
-    no type to infer; nothing in C++ reads it.
-    """
-    if outputs:
-        future = torch._C.fork(lambda: outputs)
-    else:
-        future = torch.futures.Future()
-        future.set_result(outputs)
-    return torch._C._distributed_c10d._create_work_from_future(future)
+    """A work that is already done; its future's value is the list of output tensors (see
+    :func:`reffsdp.testing.torch_private.completed_work` for why it takes a private call)."""
+    return torch_private.completed_work(outputs)
 
 
 class ThreadedProcessGroup(dist.ProcessGroup):
@@ -137,7 +124,7 @@ class ThreadedProcessGroup(dist.ProcessGroup):
         """
         comm_counter.record_collective(call.op.kind, call.nbytes, self)
         seq, self._next_seq = self._next_seq, self._next_seq + 1
-        with _disable_current_modes():
+        with torch_private.disable_current_modes():
             results = self._rendezvous.join(self.rank(), seq, call, self._timeout_s)
             write_results(call, results)
         return _completed_work(call.outputs)
@@ -259,8 +246,7 @@ def register_threaded_backend() -> None:
     registering a backend of the same name cannot silently take over.
     """
     comms.register_reduce_ops(BACKEND_NAME, _REDUCE_OPS)
-    plugin = dist.Backend._plugins.get(BACKEND_NAME.upper())
-    if plugin is not None and plugin.creator_fn is _create_threaded_group:
+    if torch_private.registered_backend_creator(BACKEND_NAME) is _create_threaded_group:
         return
     dist.Backend.register_backend(
         BACKEND_NAME, _create_threaded_group, extended_api=True, devices=["cpu", "cuda"]

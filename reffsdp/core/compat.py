@@ -1,7 +1,7 @@
 """What differs between the torch releases reffsdp supports, decided here once.
 
 reffsdp runs on every torch from 2.11 to 2.15. Where those releases differ in something
-reffsdp or its testing package touches, this module owns the difference: every other module
+reffsdp touches, this module owns the difference: every other module
 asks a function here instead of comparing versions or probing torch with ``hasattr``. Each
 entry names the releases on each side.
 
@@ -14,18 +14,15 @@ entry names the releases on each side.
       older ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` warn
       from 2.13 on)
  2    a ``PREMUL_SUM`` ``ReduceOp`` shows its factor (``op.factor``)     --       2.13
- 3    DTensor serializes its fake-tensor propagation through a lock a   --       2.12
-      threaded run can switch on (``ShardingPropagator._fake_mode_lock``);
-      on 2.11 a CUDA build with no GPU crashes threads that enter a fake
-      mode while others compute, unless the CUDA guard is set up first
- 4    ``init_process_group`` attaches a flight-recorder hook to every   --       2.15
-      new group, which a Python-only group cannot take
+ 3    (moved: entry H1 of ``reffsdp.testing.torch_private``, DTensor's
+      fake-mode lock for threaded runs)
+ 4    (moved: entry H2 of ``reffsdp.testing.torch_private``, the flight
+      recorder a Python-only group cannot take)
  5    ``fully_shard`` with ``reduce_dtype=None`` reduces gradients in    param    grad
       the parameter's gradient dtype, no longer in ``param_dtype``       dtype    dtype
                                                                          (2.14)   (2.15)
- 6    the C++ ``FakeProcessGroup``'s reduce-scatter writes this rank's   --       2.13
-      chunk of the input to the output (before, the output is left as
-      it was)
+ 6    (moved: entry H3 of ``reffsdp.testing.torch_private``, the fake
+      group's reduce-scatter output)
  7    ``fully_shard`` asks an all-gather extension whether to free the  --       2.15
       gathered outputs once its post hook built the unsharded form
       (``fsdp_should_release_all_gather_outputs_after_post_all_gather``)
@@ -36,22 +33,19 @@ entry names the releases on each side.
       release, so only tests that compare with torch's depend on it
 ====  =================================================================  =======  =======
 
+Differences only the testing package meets (threaded runs, the fake group) are entries
+H1-H3 of [Note: torch versions of the harness] in ``reffsdp.testing.torch_private``; the
+numbers of the entries that moved there stay taken, so "entry 5" keeps meaning one thing.
 The tests import :data:`TORCH_VERSION` to compare with the installed torch's own behaviour.
-The private torch APIs some entries need are called through ``torch_internals``; this module
-only decides which release needs what.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from . import torch_internals
 
 
 def _parse_version(text: str) -> tuple[int, int]:
@@ -112,62 +106,6 @@ def premul_sum_factor(op: dist.ReduceOp) -> float | torch.Tensor:
     return op.factor
 
 
-# 3. DTensor's sharding propagation under threads. ----------------------------------------------
-
-
-@contextlib.contextmanager
-def serialized_sharding_propagation() -> Iterator[None]:
-    """Make DTensor's shape propagation safe for several threads at once (entry 3).
-
-    DTensor works out an op's output shape by running the op under a ``FakeTensorMode``.
-    Two things in that step are not safe to run from several threads:
-
-    * entering the mode registers a no-op device guard for CUDA when a CUDA build of torch
-      runs without a GPU (``torch_internals.ensure_cuda_device_guard_set``). On torch 2.11
-      that crashed threaded runs (SIGSEGV inside the registration while other rank threads
-      computed), even with the step below serialized. Registering it here, before any rank thread
-      starts, leaves the threads nothing to register.
-    * two threads inside fake modes at once. From 2.12, DTensor reads an opt-in lock class
-      attribute around the step; before, the step itself is wrapped. Only that step is
-      serialized, not whole ops.
-
-    Call it from the thread that starts the rank threads.
-    """
-    torch_internals.ensure_cuda_device_guard_set()
-    if TORCH_VERSION >= (2, 12):
-        serialized = torch_internals.fake_mode_lock
-    else:
-        serialized = torch_internals.locked_tensor_meta_propagation
-    with serialized(threading.Lock()):
-        yield
-
-
-# 4. The flight recorder. --------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def no_flight_recorder_for(backend: str) -> Iterator[None]:
-    """Keep torch 2.15's flight-recorder hook off groups of ``backend`` (entry 4).
-
-    ``init_process_group`` attaches the hook to every new group unless all of the group's
-    backends record for themselves. The hook files its entries under the group's C++ name,
-    which a group implemented in Python does not have, so attaching it raises
-    ``ProcessGroup name not set``. Listing ``backend`` as self-recording skips the hook
-    for its groups only. Earlier torch attaches no hook: nothing to do.
-    """
-    if TORCH_VERSION < (2, 15):
-        yield
-        return
-    skip = torch_internals.self_recording_backends()
-    added = backend not in skip
-    skip.add(backend)
-    try:
-        yield
-    finally:
-        if added:
-            skip.discard(backend)
-
-
 # 5. The default gradient-reduction dtype of fully_shard. -------------------------------------
 
 
@@ -191,12 +129,6 @@ def fully_shard_default_reduce_dtype(
     if param_dtype is None or TORCH_VERSION >= (2, 15):
         return grad_dtype
     return param_dtype
-
-
-# 6. The fake process group. ------------------------------------------------------------------
-
-FAKE_REDUCE_SCATTER_WRITES_OUTPUT = TORCH_VERSION >= (2, 13)
-"""Whether the fake group's reduce-scatter fills its output (entry 6); it never reduces."""
 
 
 # 7. The all-gather extension contract. -------------------------------------------------------

@@ -16,8 +16,6 @@ Not here, because a function cannot hold them: overrides of private methods in s
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -99,79 +97,6 @@ def premul_sum(factor: float) -> dist.ReduceOp:
     """A reduce op that multiplies every input by ``factor`` and sums (a gradient divided by
     a custom factor inside the collective); only this private function builds one."""
     return dist._make_nccl_premul_sum(factor)
-
-
-def self_recording_backends() -> set[str]:
-    """The backends whose new groups ``init_process_group`` attaches no flight recorder to
-    (torch 2.15 on), which a group written in Python must join: no public setting."""
-    return dist.distributed_c10d._FR_SELF_RECORDING_BACKENDS
-
-
-def ensure_cuda_device_guard_set() -> None:
-    """Register the CUDA device guard a fake-tensor mode registers on entry, before rank
-    threads race to (see entry 3 of [Note: torch versions] in ``compat``)."""
-    torch._C._ensureCUDADeviceGuardSet()
-
-
-@contextlib.contextmanager
-def fake_mode_lock(lock: threading.Lock) -> Iterator[None]:
-    """Serialize DTensor's fake-tensor shape propagation with ``lock``, through the class
-    attribute DTensor reads for that (torch 2.12 on); no public setting."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    saved = ShardingPropagator.__dict__["_fake_mode_lock"]
-    ShardingPropagator._fake_mode_lock = lock
-    try:
-        yield
-    finally:
-        ShardingPropagator._fake_mode_lock = saved
-
-
-@contextlib.contextmanager
-def locked_tensor_meta_propagation(lock: threading.Lock) -> Iterator[None]:
-    """Serialize DTensor's fake-tensor shape propagation with ``lock`` by wrapping the method
-    that runs it, for releases without :func:`fake_mode_lock`'s attribute."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    name = "_propagate_tensor_meta_non_cached"
-    unlocked = ShardingPropagator.__dict__[name]
-
-    def locked(self: Any, op_schema: Any) -> Any:
-        with lock:
-            return unlocked(self, op_schema)
-
-    setattr(ShardingPropagator, name, locked)
-    try:
-        yield
-    finally:
-        setattr(ShardingPropagator, name, unlocked)
-
-
-# The key under which DTensor's C++ dispatch fast path keeps, in each thread's Python state,
-# the object that frees that thread's sharding cache when the thread ends.
-_DTENSOR_THREAD_CACHE_KEY = "__DTensor_fastpath_thread_cache_cleanup"
-# CPython returns a borrowed reference: read it as an address, then take a new reference.
-_thread_state_dict_address = ctypes.PYFUNCTYPE(ctypes.c_void_p)(
-    ("PyThreadState_GetDict", ctypes.pythonapi)
-)
-
-
-def _thread_state_dict() -> dict[str, Any]:
-    """This thread's Python state dict (``PyThreadState_GetDict``)."""
-    return ctypes.cast(_thread_state_dict_address(), ctypes.py_object).value
-
-
-def dtensor_thread_cache_held() -> bool:
-    """Whether this thread holds a DTensor fast-path sharding cache (for tests)."""
-    return _DTENSOR_THREAD_CACHE_KEY in _thread_state_dict()
-
-
-def free_dtensor_thread_cache() -> None:
-    """Free this thread's DTensor fast-path sharding cache now rather than when the thread
-    ends: torch frees it under a process-wide C++ mutex while it lets go of the GIL, so
-    threads that end together can deadlock there, and no public call frees it (see
-    [Note: a rank thread's DTensor cache] in ``reffsdp.testing.thread_world``)."""
-    _thread_state_dict().pop(_DTENSOR_THREAD_CACHE_KEY, None)
 
 
 # -- symmetric memory (torch.distributed._symmetric_memory: documented, not public) ----------

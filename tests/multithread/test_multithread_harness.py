@@ -269,17 +269,16 @@ def test_each_rank_thread_frees_its_dtensor_cache_before_it_ends(monkeypatch):
     at a time (see [Note: a rank thread's DTensor cache] in reffsdp.testing.thread_world)."""
     from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
 
-    from reffsdp.core import torch_internals
-    from reffsdp.testing import multithread
+    from reffsdp.testing import multithread, torch_private
 
     held_before_release, held_after_release = {}, {}
     release = multithread.release_rank_thread
 
     def observed_release() -> None:
         rank = dist.get_rank() if dist.is_initialized() else threading.current_thread().name
-        held_before_release[rank] = torch_internals.dtensor_thread_cache_held()
+        held_before_release[rank] = torch_private.dtensor_thread_cache_held()
         release()
-        held_after_release[rank] = torch_internals.dtensor_thread_cache_held()
+        held_after_release[rank] = torch_private.dtensor_thread_cache_held()
 
     monkeypatch.setattr(multithread, "release_rank_thread", observed_release)
 
@@ -287,7 +286,7 @@ def test_each_rank_thread_frees_its_dtensor_cache_before_it_ends(monkeypatch):
         mesh = init_device_mesh("cpu", (2,))
         tensor = distribute_tensor(torch.ones(4, 2), mesh, [Replicate()])
         (tensor + tensor).sum()  # through DTensor's dispatch, which fills this thread's cache
-        assert torch_internals.dtensor_thread_cache_held()
+        assert torch_private.dtensor_thread_cache_held()
 
     run_threaded(rank_main, 2)
     assert list(held_before_release.values()) == [True, True], held_before_release

@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from reffsdp.core import comms, compat
+from reffsdp.core import comms
+from reffsdp.testing import torch_private
 from reffsdp.testing.fake_pg import fake_process_group
 from reffsdp.testing.multiprocess import FSDPTest
 
@@ -43,7 +44,7 @@ def test_collectives_have_real_shapes_and_fake_numbers() -> None:
         full = torch.arange(world_size * 4.0)
         reduced = torch.full((4,), -1.0)
         comms.reduce_scatter(reduced, full, group)
-        if compat.FAKE_REDUCE_SCATTER_WRITES_OUTPUT:
+        if torch_private.FAKE_REDUCE_SCATTER_WRITES_OUTPUT:
             assert torch.equal(reduced, full[rank * 4 : (rank + 1) * 4])  # no reduction
         else:
             assert torch.equal(reduced, torch.full((4,), -1.0))  # left as it was
