@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from reffsdp.core.autograd_hooks import map_tensors
-from reffsdp.core.torch_internals import tree_leaves
+from reffsdp.core.torch_internals import registered_children, tree_leaves
 
 from . import preflight
 from .expected_comms import COUNT_KEYS, CommTally
@@ -1046,7 +1046,7 @@ def is_wrapper_instance(module: nn.Module) -> bool:
     """Whether ``module`` is a ``FullyShardedDataParallel`` instance, whoever implemented
     it: its class has ``summon_full_params`` and it holds a ``_fsdp_wrapped_module``."""
     summon = getattr(type(module), "summon_full_params", None)
-    return callable(summon) and _WRAPPED_MODULE.rstrip(".") in module._modules
+    return callable(summon) and _WRAPPED_MODULE.rstrip(".") in registered_children(module)
 
 
 # [Note: another implementation's wrapper]

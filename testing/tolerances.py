@@ -186,6 +186,7 @@ import torch
 import torch.nn as nn
 
 from reffsdp.core.compat import fully_shard_default_reduce_dtype
+from reffsdp.core.torch_internals import registered_children
 
 # One number for every dtype, or one per dtype; None: the derived default.
 Tolerance = float | Mapping[torch.dtype, float] | None
@@ -361,7 +362,7 @@ def declared_mixed_precision(module: nn.Module) -> tuple[str, Any] | None:
       ``MixedPrecisionPolicy``: ``mp_policy`` on reffsdp's ``FSDPState``, ``_mp_policy``
       (private) on torch's.
     """
-    if "_fsdp_wrapped_module" in module._modules and hasattr(module, "mixed_precision"):
+    if "_fsdp_wrapped_module" in registered_children(module) and hasattr(module, "mixed_precision"):
         return "wrapper", module.mixed_precision
     get_state = getattr(module, "_get_fsdp_state", None)
     if callable(get_state):
