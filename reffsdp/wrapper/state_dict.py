@@ -108,9 +108,10 @@ def clean_name(name: str) -> str:
 # -- settings -------------------------------------------------------------------------------
 
 
-def init_state_dict(instance: WrapperState, device_mesh: Any) -> None:
+def init_state_dict(instance: WrapperState) -> None:
     """At construction: FULL_STATE_DICT with default configs, and the four hooks (on the
     instance's module, each finding the instance's state there)."""
+    device_mesh = instance.config.device_mesh
     instance.device_mesh = device_mesh  # sharded state dicts then give DTensors
     if device_mesh is None:
         _forget_inherited_mesh(instance)
@@ -369,7 +370,7 @@ def _restore_buffer_dtypes(instance: WrapperState, state_dict: dict[str, Any], p
     """Full and sharded state dicts hold buffers in the dtype they had before the
     instance's ``MixedPrecision.buffer_dtype`` cast them, as torch's do (local ones keep the
     cast)."""
-    buffer_dtype = instance.settings.mixed_precision.buffer_dtype
+    buffer_dtype = instance.config.precision.buffer_dtype
     if buffer_dtype is None:
         return
     for name, dtype in instance.orig_buffer_dtypes.items():

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.distributed.optim import _apply_optimizer_in_backward
 
@@ -287,3 +288,67 @@ class TestWrapperArgumentValues(FSDPTestMultiThread):
         _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
         with pytest.raises(NotImplementedError, match="optimizer that steps in backward"):
             model(torch.ones(2, 4))
+
+    def test_an_auto_wrap_policy_must_be_one(self):
+        # torch calls whatever it is given: "'str' object is not callable", deep inside.
+        for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
+            with pytest.raises(TypeError):
+                wrapper_cls(nn.Sequential(nn.Linear(4, 4)), auto_wrap_policy="size", **extra)
+        with pytest.raises(
+            TypeError, match=r"auto_wrap_policy must be a policy object .* got str 'size'"
+        ):
+            FullyShardedDataParallel(nn.Sequential(nn.Linear(4, 4)), auto_wrap_policy="size")
+
+    def test_mixed_precision_dtypes_must_be_floating_point(self):
+        """torch's wrapper takes integer dtypes and fails in the first forward (param_dtype:
+        "only floating point tensors can require gradients") or backward (reduce_dtype:
+        casting into it) with a RuntimeError; reffsdp refuses them when built, naming the
+        field, with an error that is a ValueError and a RuntimeError."""
+        for name in ("param_dtype", "reduce_dtype"):
+            with self.subTest(name=name):
+                theirs = TorchFSDP(
+                    nn.Linear(4, 4),
+                    mixed_precision=TorchMixedPrecision(**{name: torch.int64}),
+                    **_TORCH_CPU,
+                )
+                with pytest.raises(RuntimeError):
+                    theirs(torch.ones(2, 4)).sum().backward()
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            for error in (ValueError, RuntimeError):
+                with pytest.raises(
+                    error,
+                    match=f"MixedPrecision's {name} must be a floating-point dtype .* got "
+                    "torch.int64",
+                ):
+                    FullyShardedDataParallel(
+                        nn.Linear(4, 4), mixed_precision=MixedPrecision(**{name: torch.int64})
+                    )
+
+    def test_on_off_arguments_take_true_or_false(self):
+        # torch's wrapper takes any value and reads it as true or false: "yes" and -1 are on.
+        TorchFSDP(nn.Linear(4, 4), limit_all_gathers="yes", **_TORCH_CPU)
+        TorchFSDP(nn.Linear(4, 4), limit_all_gathers=-1, **_TORCH_CPU)
+        for name in ("sync_module_states", "forward_prefetch", "limit_all_gathers"):
+            with pytest.raises(TypeError, match=f"{name} must be True or False, got str 'yes'"):
+                FullyShardedDataParallel(nn.Linear(4, 4), **{name: "yes"})
+            with pytest.raises(ValueError, match=f"{name} is on or off, True or False; got -1"):
+                FullyShardedDataParallel(nn.Linear(4, 4), **{name: -1})
+        with pytest.raises(TypeError, match="use_orig_params must be True or False, got NoneType"):
+            FullyShardedDataParallel(nn.Linear(4, 4), use_orig_params=None)
+        with pytest.raises(TypeError, match="MixedPrecision's cast_forward_inputs must be True"):
+            FullyShardedDataParallel(
+                nn.Linear(4, 4), mixed_precision=MixedPrecision(cast_forward_inputs="no")
+            )
+        model = FullyShardedDataParallel(nn.Linear(4, 4), limit_all_gathers=0)  # 0 / 1 pass
+        self.assertFalse(model.limit_all_gathers)
+
+    def test_device_id_names_a_device(self):
+        for device_id, error, message in [
+            (-1, ValueError, "device_id must be a device index"),
+            ("gpu:0", ValueError, "device_id 'gpu:0' names no device"),
+            (1.5, TypeError, "device_id must be an int"),
+            (True, TypeError, "device_id must be an int"),
+        ]:
+            with self.subTest(device_id=device_id):
+                with pytest.raises(error, match=message):
+                    FullyShardedDataParallel(nn.Linear(4, 4), device_id=device_id)
