@@ -168,6 +168,19 @@ def _check_idle(instance: WrapperState) -> None:
         )
 
 
+def refuse_forward_while_summoning(instance: WrapperState) -> None:
+    """Forward is refused while any instance of ``instance``'s tree is summoned: it would
+    gather into (and free) the buffers the full parameters are shown from, and torch's
+    wrapper fails there deep inside ("setStorage: sizes ...")."""
+    summoned = next((s for s in (instance, *instance.ctx.states) if s.summoning), None)
+    if summoned is not None:
+        raise RuntimeError(
+            f"{instance} cannot run forward inside summon_full_params (entered for "
+            f"{summoned}): the full parameters it shows are for reading and editing between "
+            "iterations; leave the context first, then run the model"
+        )
+
+
 @contextlib.contextmanager
 def summon_one(instance: WrapperState, **options: bool) -> Iterator[None]:
     """Unshard one instance's own parameters for the duration (see the note above)."""

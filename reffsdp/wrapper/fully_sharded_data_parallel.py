@@ -402,6 +402,7 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # FSDP's steps run eagerly; the wrapped module between them may be compiled.
         state = self._fsdp_wrapper_state
+        full_params.refuse_forward_while_summoning(state)
         args, kwargs = state._pre_forward(self, args, kwargs)
         try:
             output = self._fsdp_wrapped_module(*args, **kwargs)

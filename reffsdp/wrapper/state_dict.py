@@ -90,6 +90,7 @@ from ..core.torch_internals import (
     sharded_tensor,
 )
 from . import full_params
+from .config import describe
 from .full_params import WRAPPER_PREFIX as WRAPPED_PREFIX
 from .state import FLAT_PARAM, WrapperState, state_of, states_under
 
@@ -167,6 +168,7 @@ def set_state_dict_type(
             FutureWarning,
             stacklevel=3,
         )
+    _check_state_dict_type(state_dict_type)
     config_type, optim_config_type = _CONFIG_TYPES[state_dict_type]
     state_dict_config = state_dict_config if state_dict_config is not None else config_type()
     if optim_state_dict_config is None:
@@ -196,6 +198,26 @@ def set_state_dict_type(
     if previous is None:  # torch returns a settings object of Nones here
         return StateDictSettings(None, None, None)  # type: ignore[arg-type]
     return previous
+
+
+class StateDictTypeError(TypeError, KeyError):
+    """A ``state_dict_type`` that is no ``StateDictType`` (its name as a string, say): a
+    ``TypeError``, and the ``KeyError`` torch's wrapper raises looking it up."""
+
+    __str__ = Exception.__str__  # the message as written, not quoted as a KeyError's key
+
+
+def _check_state_dict_type(state_dict_type: Any) -> None:
+    if isinstance(state_dict_type, StateDictType):
+        return
+    # Its name, or torch's member of that name.
+    member = getattr(state_dict_type, "name", state_dict_type)
+    if not isinstance(member, str) or member not in StateDictType.__members__:
+        member = StateDictType.SHARDED_STATE_DICT.name
+    raise StateDictTypeError(
+        f"state_dict_type must be a reffsdp.StateDictType, got {describe(state_dict_type)}; "
+        f"pass the member, such as StateDictType.{member} (from reffsdp)"
+    )
 
 
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:

@@ -8,6 +8,8 @@ clear ``TypeError`` / ``ValueError`` instead; the comments say which.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,6 +26,7 @@ from reffsdp import (
     FullyShardedDataParallel,
     MixedPrecision,
     ShardingStrategy,
+    StateDictType,
 )
 from reffsdp.core.comms import Collective
 from reffsdp.testing.comm_counter import CommCounter
@@ -352,3 +355,81 @@ class TestWrapperArgumentValues(FSDPTestMultiThread):
             with self.subTest(device_id=device_id):
                 with pytest.raises(error, match=message):
                     FullyShardedDataParallel(nn.Linear(4, 4), device_id=device_id)
+
+
+class TestWrapperMisuseAtRuntime(FSDPTestMultiThread):
+    """Calls on a built model that torch's wrapper fails on deep inside; reffsdp says what
+    was done wrong and what to do, with an error of a type that torch's is too."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_state_dict_type_must_be_the_enum(self):
+        theirs = TorchFSDP(nn.Linear(4, 4), **_TORCH_CPU)
+        with pytest.raises(KeyError):
+            TorchFSDP.set_state_dict_type(theirs, "SHARDED_STATE_DICT")
+        model = FullyShardedDataParallel(nn.Linear(4, 4))
+        for error in (TypeError, KeyError):
+            with pytest.raises(
+                error,
+                match=r"state_dict_type must be a reffsdp.StateDictType, got str "
+                r"'SHARDED_STATE_DICT'; pass the member, such as "
+                r"StateDictType.SHARDED_STATE_DICT",
+            ):
+                FullyShardedDataParallel.set_state_dict_type(model, "SHARDED_STATE_DICT")
+        with pytest.raises(TypeError, match="such as StateDictType.LOCAL_STATE_DICT"):
+            with FullyShardedDataParallel.state_dict_type(model, "LOCAL_STATE_DICT"):
+                pass
+        self.assertIs(
+            FullyShardedDataParallel.get_state_dict_type(model).state_dict_type,
+            StateDictType.FULL_STATE_DICT,  # unchanged
+        )
+
+    def test_optimizer_state_calls_take_the_model_first(self):
+        theirs = TorchFSDP(nn.Linear(4, 4), **_TORCH_CPU)
+        their_optim = torch.optim.Adam(theirs.parameters())
+        with pytest.raises(AttributeError):
+            TorchFSDP.optim_state_dict(their_optim, theirs)
+        model = FullyShardedDataParallel(nn.Linear(4, 4))
+        optim = torch.optim.Adam(model.parameters())
+        calls = [
+            ("optim_state_dict", lambda: FullyShardedDataParallel.optim_state_dict(optim, model)),
+            (
+                "optim_state_dict_to_load",
+                lambda: FullyShardedDataParallel.optim_state_dict_to_load(optim, model, {}),
+            ),
+        ]
+        for name, call in calls:
+            for error in (TypeError, AttributeError):
+                with pytest.raises(
+                    error,
+                    match=rf"{name}\(model, optim, ...\) takes the model first and the "
+                    "optimizer second, got a Adam and then a FullyShardedDataParallel",
+                ):
+                    call()
+        with pytest.raises(TypeError, match="optim must be the model's torch.optim.Optimizer"):
+            FullyShardedDataParallel.optim_state_dict(model, model.parameters())
+        FullyShardedDataParallel.optim_state_dict(model, optim)  # the right order works
+
+    def test_forward_inside_summon_full_params(self):
+        theirs = TorchFSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), **_TORCH_CPU)
+        with contextlib.suppress(AssertionError):  # torch's summon then fails on exit too
+            with TorchFSDP.summon_full_params(theirs):
+                with pytest.raises(RuntimeError):  # "setStorage: sizes [40] ..."
+                    theirs(torch.ones(2, 4))
+        model = FullyShardedDataParallel(
+            nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        )
+        model(torch.ones(2, 4)).sum().backward()
+        # The whole tree summoned, or only a nested instance: the root refuses either way.
+        for summoned in (model, model.module[1]):
+            with FullyShardedDataParallel.summon_full_params(summoned):
+                with pytest.raises(
+                    RuntimeError,
+                    match=r"cannot run forward inside summon_full_params .* leave the context "
+                    "first",
+                ):
+                    model(torch.ones(2, 4))
+        model(torch.ones(2, 4)).sum().backward()  # and after it, training goes on
