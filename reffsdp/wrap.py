@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .api import MixedPrecision
 from .core.torch_internals import tree_map_only
 
 __all__ = [
@@ -269,7 +270,7 @@ def auto_wrap_children(
     ignored_modules: set[nn.Module] | frozenset[nn.Module],
     ignored_params: set[nn.Parameter] | frozenset[nn.Parameter],
     *,
-    mixed_precision: Any = None,
+    mixed_precision: MixedPrecision | None = None,
     use_orig_params: bool = False,
 ) -> None:
     """Wrap the modules of ``root_module``'s tree that ``policy`` picks, except the root:
