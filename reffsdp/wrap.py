@@ -1,8 +1,9 @@
 """Auto-wrap policies for the wrapper API, and the machinery that applies them.
 
 The public names mirror ``torch.distributed.fsdp.wrap``. :func:`auto_wrap_children` is what
-the wrapper's constructor calls when given an ``auto_wrap_policy``: it wraps the root's
-descendants and leaves the root to the caller.
+the wrapper's constructor calls when given an ``auto_wrap_policy``: it decides which of the
+root's descendants to wrap, and how each differs from the root (a :class:`WrapDecision`),
+and hands them to the wrapper to build; the root is left to the caller.
 
 [Note: two kinds of policy]
 A *callable* policy ``(module, recurse, nonwrapped_numel) -> bool`` is asked about each
@@ -12,8 +13,9 @@ inside?"), and after them with ``recurse=False`` and the numel the children left
 enough parameters have piled up below it. A *policy object* (:class:`ModuleWrapPolicy`,
 :class:`CustomPolicy`, any :class:`_Policy`) instead names every module to wrap, with its
 constructor kwargs, in one pass. Either way modules are wrapped bottom-up (post-order), so a
-wrapper manages only the parameters its wrapped descendants left, and every child gets a
-shallow copy of the root's kwargs (a :class:`CustomPolicy` dict overrides keys per module).
+wrapper manages only the parameters its wrapped descendants left, and every child gets the
+root's settings but what its :class:`WrapDecision` changes (a :class:`CustomPolicy` dict, or
+under a callable policy the module's ``_wrap_overrides``, overrides arguments per module).
 
 [Note: mixed precision skips batch norm]
 With ``mixed_precision`` set, instances of ``mixed_precision._module_classes_to_ignore``
@@ -32,12 +34,14 @@ import functools
 import warnings
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from .api import MixedPrecision
 from .core.torch_internals import tree_map_only
 
 __all__ = [
@@ -135,7 +139,9 @@ class _Policy(ABC):
     def _run_policy(
         self, root_module: nn.Module, ignored_modules: set[nn.Module], root_kwargs: dict[str, Any]
     ) -> ModuleKwargs:
-        """Map each module of ``root_module``'s tree to wrap to its constructor kwargs."""
+        """Map each module of ``root_module``'s tree to wrap to its constructor kwargs:
+        ``root_kwargs`` with what the policy sets for that module. :func:`auto_wrap_children`
+        passes ``{}``, so that only what differs from the root comes back."""
 
 
 class ModuleWrapPolicy(_Policy):
@@ -241,38 +247,63 @@ def _wrap(module: nn.Module, wrapper_cls: Callable, kwargs: dict[str, Any]) -> n
 # -- applying a policy ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class WrapDecision:
+    """What auto-wrapping decided for one module it wraps, beyond "wrap it": how its wrapper
+    differs from the root's. The wrapper applies ``overrides`` first, then
+    ``full_precision``."""
+
+    # Constructor arguments by name that a policy gives this module in place of the root's:
+    # a CustomPolicy's dict, or the module's ``_wrap_overrides`` under a callable policy.
+    # Usually empty.
+    overrides: Mapping[str, Any]
+    # Batch norm (``_module_classes_to_ignore``) under mixed precision: wrapped with mixed
+    # precision off (see [Note: mixed precision skips batch norm]).
+    full_precision: bool
+
+
 def auto_wrap_children(
     root_module: nn.Module,
     policy: Callable[..., bool] | _Policy,
-    wrapper_cls: Callable[..., nn.Module],
-    root_kwargs: dict[str, Any],
-    ignored_modules: set[nn.Module],
-    ignored_params: set[nn.Parameter],
+    wrapper_cls: type[nn.Module],
+    wrap_child: Callable[[nn.Module, WrapDecision], nn.Module],
+    ignored_modules: set[nn.Module] | frozenset[nn.Module],
+    ignored_params: set[nn.Parameter] | frozenset[nn.Parameter],
+    *,
+    mixed_precision: MixedPrecision | None = None,
+    use_orig_params: bool = False,
 ) -> None:
-    """Wrap the modules of ``root_module``'s tree that ``policy`` picks, except the root.
+    """Wrap the modules of ``root_module``'s tree that ``policy`` picks, except the root:
+    ``wrap_child(module, decision)`` returns each one's wrapper (a ``wrapper_cls``), which
+    replaces it in its parents.
 
-    ``root_kwargs`` are the root's constructor kwargs except the module and the policy;
     ``ignored_modules`` holds every module of the ignored subtrees and ``ignored_params``
-    their parameters (plus any parameters ignored on their own). Wrapped modules replace the
-    originals in their parents. See [Note: two kinds of policy] and [Note: mixed precision
-    skips batch norm]. A module already wrapped by ``wrapper_cls`` is a ``ValueError``.
+    their parameters (plus any parameters ignored on their own); ``mixed_precision`` is the
+    root's, as given (``None``: batch norm is wrapped like any module), ``use_orig_params``
+    the root's (whether a wrapper may mix frozen and trainable parameters). See [Note: two
+    kinds of policy] and [Note: mixed precision skips batch norm]. A module already wrapped
+    by ``wrapper_cls`` is a ``ValueError``.
     """
     _check_not_wrapped(root_module, wrapper_cls)
-    mixed_precision = root_kwargs.get("mixed_precision")
     full_precision_classes = tuple(
         set(mixed_precision._module_classes_to_ignore) if mixed_precision is not None else ()
     )
     if isinstance(policy, _Policy):
-        targets = policy._run_policy(root_module, ignored_modules, root_kwargs)
-        for module in root_module.modules():
-            if module not in ignored_modules and isinstance(module, full_precision_classes):
-                targets[module] = {**targets.get(module, root_kwargs), "mixed_precision": None}
+        # The root's settings travel with ``wrap_child``: asked with none, a policy answers
+        # with what differs per module.
+        overrides = policy._run_policy(root_module, ignored_modules, {})
+        full_precision = {
+            module
+            for module in root_module.modules()
+            if module not in ignored_modules and isinstance(module, full_precision_classes)
+        }
+        targets = {module: overrides.get(module, {}) for module in [*overrides, *full_precision]}
         _run_in_full_precision(root_module, full_precision_classes, wrapper_cls)
-        use_orig_params = root_kwargs.get("use_orig_params", False)
         _check_uniform_requires_grad(root_module, targets, ignored_params, use_orig_params)
         for parent, name, module in _post_order(root_module):
             if module in targets:
-                setattr(parent, name, wrapper_cls(module, **targets[module]))
+                decision = WrapDecision(targets[module], module in full_precision)
+                setattr(parent, name, wrap_child(module, decision))
         return
     if full_precision_classes:
         _run_in_full_precision(root_module, full_precision_classes, wrapper_cls)
@@ -282,10 +313,13 @@ def auto_wrap_children(
         policy = functools.partial(_or_policy, policies=(policy, wrap_alone))
 
     def wrap_fn(module: nn.Module) -> nn.Module:
-        kwargs = dict(root_kwargs)
-        if isinstance(module, full_precision_classes):
-            kwargs["mixed_precision"] = None
-        return _wrap(module, wrapper_cls, kwargs)
+        # A module's own ``_wrap_overrides`` win over batch norm's full precision here, as
+        # they win over every other argument when ``wrap()`` wraps.
+        overrides = getattr(module, "_wrap_overrides", {})
+        full_precision = isinstance(module, full_precision_classes)
+        if "mixed_precision" in overrides:
+            full_precision = False
+        return wrap_child(module, WrapDecision(overrides, full_precision))
 
     _wrap_recursively(root_module, policy, wrap_fn, ignored_modules, ignored_params, True)
 

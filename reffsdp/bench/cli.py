@@ -8,6 +8,11 @@ Under torchrun or srun every rank runs this command and joins the launched world
 spawning ranks (:mod:`reffsdp.testing.launch` decides): the backend (nccl where CUDA is
 present, else gloo) and the world size are the launched world's, and rank 0 alone prints
 and writes ``--json``.
+
+The exit status is 0 when the run finished, 130 when interrupted, 2 for bad arguments (as
+the parity suite's command line, ``python -m reffsdp.testing``): a value out of range, a
+combination that cannot run here, or a ``--json`` file or ``--profile`` folder that cannot
+be written, all refused before anything runs.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import json
 import os
 import platform
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -35,6 +40,16 @@ Train one model with reffsdp's and torch's fully_shard and FullyShardedDataParal
 and a no-communication local baseline, in the same rank processes and interleaved rounds;
 print step time, memory per rank and bytes sent per rank for each."""
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -67,7 +82,7 @@ def _add_where_and_what(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", choices=SIZES, default="27m", help="named size (default: %(default)s)")
     p.add_argument(
         "--world-size",
-        type=int,
+        type=_positive_int,
         default=None,
         help="ranks (default: 2; with nccl, every visible GPU; under torchrun or srun, the "
         "launched world's)",
@@ -90,10 +105,16 @@ def _add_where_and_what(p: argparse.ArgumentParser) -> None:
 def _add_how_to_train(p: argparse.ArgumentParser) -> None:
     """Steps and rounds timed, the sharding options, and which implementations."""
     p.add_argument(
-        "--steps", type=int, default=3, help="timed steps per round (default: %(default)s)"
+        "--steps",
+        type=_positive_int,
+        default=3,
+        help="timed steps per round (default: %(default)s)",
     )
     p.add_argument(
-        "--rounds", type=int, default=4, help="interleaved rounds (default: %(default)s)"
+        "--rounds",
+        type=_positive_int,
+        default=4,
+        help="interleaved rounds (default: %(default)s)",
     )
     p.add_argument(
         "--offload",
@@ -126,11 +147,12 @@ def _add_how_to_train(p: argparse.ArgumentParser) -> None:
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the defaults that depend on each other, and reject what cannot run."""
+    """Fill the defaults that depend on each other, and refuse what cannot run, before
+    anything runs (:func:`_usage_error`)."""
     try:
         args.launched = read_launched_env()
     except LaunchError as error:
-        raise SystemExit(str(error)) from None
+        _usage_error(str(error))
     if args.launched is not None:
         _join_launched(args, args.launched)
     if args.backend is None:
@@ -140,17 +162,16 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.world_size is None:
         args.world_size = torch.cuda.device_count() if args.backend == "nccl" else 2
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is visible")
+        _usage_error("--device cuda: no CUDA device is visible")
     if args.backend == "nccl" and args.device != "cuda":
-        raise SystemExit("--backend nccl needs --device cuda")
+        _usage_error("--backend nccl needs --device cuda")
     spawns_nccl = args.launched is None and args.backend == "nccl"
     if spawns_nccl and args.world_size > torch.cuda.device_count():
-        raise SystemExit(
+        _usage_error(
             f"--world-size {args.world_size} with nccl needs as many GPUs; "
             f"{torch.cuda.device_count()} visible"
         )
-    if args.world_size < 1 or args.steps < 1 or args.rounds < 1:
-        raise SystemExit("--world-size, --steps and --rounds must be at least 1")
+    _check_outputs(args)
     return args
 
 
@@ -160,26 +181,64 @@ def _join_launched(args: argparse.Namespace, launched: LaunchedEnv) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     where = f"{launched.launcher} launched {launched.world_size} ranks"
     if args.scaling:
-        raise SystemExit(
+        _usage_error(
             f"--scaling starts worlds of several sizes itself, but {where}; run it without "
             "a launcher"
         )
     if args.backend not in (None, backend):
-        raise SystemExit(
+        _usage_error(
             f"--backend {args.backend} conflicts with the launched world: {where}, which "
             f"runs on {backend} here; drop --backend"
         )
     if args.world_size not in (None, launched.world_size):
-        raise SystemExit(
+        _usage_error(
             f"--world-size {args.world_size} conflicts with the launched world: {where}; "
             "drop --world-size (or launch that many ranks)"
         )
     if backend == "nccl" and torch.cuda.device_count() < launched.local_world_size:
-        raise SystemExit(
+        _usage_error(
             f"{launched.launcher} put {launched.local_world_size} ranks on this node, which "
             f"has {torch.cuda.device_count()} GPUs; nccl runs one rank per GPU"
         )
     args.backend, args.world_size = backend, launched.world_size
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """``--json`` (written by the reporting process) and ``--profile`` (every rank writes
+    its trace there) must be writable, so that a run never ends in a traceback over a path
+    it could have refused at the start."""
+    outputs = [("--profile", args.profile, True)]
+    if _reports(args):
+        outputs.append(("--json", args.json, False))
+    for flag, path, is_folder in outputs:
+        problem = None if path is None else _unwritable(path, is_folder=is_folder)
+        if problem:
+            kind = "folder" if is_folder else "file name"
+            _usage_error(f"{flag} {path}: {problem}; give a {kind} you can write")
+
+
+def _usage_error(message: str) -> NoReturn:
+    """Print the usage and ``message`` and exit with status 2, as argparse does for
+    arguments it refuses itself."""
+    parser().error(message)
+
+
+def _unwritable(path: str, *, is_folder: bool) -> str | None:
+    """Why the file (or folder) ``path`` cannot be written (``None`` when it can), found
+    without writing anything: missing folders are created when the results are written."""
+    if is_folder and os.path.exists(path) and not os.path.isdir(path):
+        return "is not a folder"
+    if not is_folder and os.path.isdir(path):
+        return "is a folder"
+    existing = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is not a folder"
+    target = path if os.path.exists(path) else existing
+    if not os.access(target, os.W_OK):
+        return f"{target} is not writable"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +263,7 @@ def _main(args: argparse.Namespace) -> int:
         document["interrupted"] = True
         print("interrupted", file=sys.stderr)
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as file:
             json.dump(document, file, indent=2)
     return EXIT_INTERRUPTED if document["interrupted"] else 0

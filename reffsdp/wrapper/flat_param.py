@@ -82,6 +82,7 @@ import torch.nn as nn
 from ..core.member import PaddedShardMember, resolve_dtypes
 from ..core.streams import backend_for
 from ..core.torch_internals import CHECKPOINT_WRAPPED_MODULE, registered_parameters
+from .config import WrapperConfig
 from .flat_layout import FlatLayout, RankShard, flat_layout
 
 _CHECKPOINT_PREFIX = f"{CHECKPOINT_WRAPPED_MODULE}."
@@ -141,7 +142,10 @@ def _set_tensor(
 
 
 class FlatParamHandle(PaddedShardMember):
-    """A :class:`~reffsdp.core.member.GroupMember` made of many parameters."""
+    """A :class:`~reffsdp.core.member.GroupMember` made of many parameters, set up from its
+    instance's config: whether original parameters show (``use_orig_params``), whether the
+    shard lives on the host (``cpu_offload``), which dtype reduced gradients keep
+    (``mixed_precision``)."""
 
     def __init__(
         self,
@@ -150,13 +154,13 @@ class FlatParamHandle(PaddedShardMember):
         world_size: int,
         rank: int,
         device: torch.device,
+        config: WrapperConfig,
         *,
-        use_orig_params: bool,
-        offload: bool,
         fqn_prefix: str,
         owner: str,
         pad_multiple: int | None = None,
     ) -> None:
+        use_orig_params = config.use_orig_params
         _check_flattenable(params, slots, use_orig_params)
         self.slots = slots  # per original parameter: every place it is registered
         self.owner = owner  # the wrapper instance, for messages
@@ -164,7 +168,11 @@ class FlatParamHandle(PaddedShardMember):
         self.device = device
         self.use_orig_params = use_orig_params
         # A CPU compute device makes offloading a no-op (see ShardedParam's).
-        self.offload = offload and backend_for(device).separate_host_memory
+        self.offload = (
+            config.cpu_offload.offload_params and backend_for(device).separate_host_memory
+        )
+        # Reduced gradients stay in param_dtype (MixedPrecision.keep_low_precision_grads).
+        self.keep_low_precision_grads = config.precision.keep_low_precision_grads
         self._fqn_prefix = fqn_prefix
         dtype = params[0].dtype
         self.layout: FlatLayout = flat_layout(
@@ -200,7 +208,6 @@ class FlatParamHandle(PaddedShardMember):
         # While it is shown as .grad: each parameter showing it, and what its .grad held.
         self._grads_set_aside: list[tuple[nn.Parameter, torch.Tensor | None]] | None = None
         self.post_backward_hook: Callable[[], None] | None = None
-        self.keep_low_precision_grads = False  # MixedPrecision: grads stay in param_dtype
         self._storageless_views: list[torch.Tensor] | None = None  # see the note above
         self.show_sharded()
 

@@ -113,7 +113,7 @@ def _check_options(
     with_grads: bool,
 ) -> None:
     """torch's rules for the option combinations it does not support."""
-    use_orig_params = instance.settings.use_orig_params
+    use_orig_params = instance.config.use_orig_params
     if with_grads and (offload_to_cpu or not use_orig_params):
         raise NotImplementedError(
             f"summon_full_params(with_grads=True) needs use_orig_params=True and "
@@ -165,6 +165,19 @@ def _check_idle(instance: WrapperState) -> None:
             f"Cannot manually unshard parameters during forward/backward: {instance} "
             f"is in training state {state}; call summon_full_params outside forward and "
             "backward"
+        )
+
+
+def refuse_forward_while_summoning(instance: WrapperState) -> None:
+    """Forward is refused while any instance of ``instance``'s tree is summoned: it would
+    gather into (and free) the buffers the full parameters are shown from, and torch's
+    wrapper fails there deep inside ("setStorage: sizes ...")."""
+    summoned = next((s for s in (instance, *instance.ctx.states) if s.summoning), None)
+    if summoned is not None:
+        raise RuntimeError(
+            f"{instance} cannot run forward inside summon_full_params (entered for "
+            f"{summoned}): the full parameters it shows are for reading and editing between "
+            "iterations; leave the context first, then run the model"
         )
 
 
@@ -371,7 +384,7 @@ def clip_grad_norm(root: WrapperState, max_norm: float, norm_type: float) -> tor
         if replicated_norm is not None:
             total = total + replicated_norm**norm_type
         total = total ** (1.0 / norm_type)
-    if root.settings.cpu_offload.offload_params:
+    if root.config.cpu_offload.offload_params:
         total = total.cpu()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:

@@ -10,6 +10,7 @@ to it and to the helper modules: ``full_params`` (summoning, ``apply``, clipping
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,20 +31,15 @@ from ..api import (
 )
 from ..core.collectives import CustomReduction
 from ..core.compile_support import install_eager_methods, mark_fsdp_managed
+from ..core.mesh import MeshInfo
 from ..core.states import TrainingState
 from ..core.torch_internals import registered_children, registered_parameters
-from ..wrap import auto_wrap_children
+from ..wrap import WrapDecision, auto_wrap_children
 from . import full_params, legacy_optim_state, optim_state, optim_state_load, setup, state_dict
 from .compile_support import call_through_wrappers, run_frame_eagerly
+from .config import HYBRID, WrapperConfig
 from .flat_param import FlatParameter, FlatParamHandle
-from .state import (
-    FLAT_PARAM,
-    RESHARD_AFTER_FORWARD,
-    STATE_KEY,
-    WRAPPED_MODULE,
-    WrapperSettings,
-    WrapperState,
-)
+from .state import FLAT_PARAM, RESHARD_AFTER_FORWARD, STATE_KEY, WRAPPED_MODULE, WrapperState
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -69,12 +65,15 @@ class FullyShardedDataParallel(nn.Module):
         device_mesh: Any = None,
     ) -> None:
         super().__init__()
-        given = dict(  # what auto-wrapped children are given too
+        setup.check_module(module, FullyShardedDataParallel)
+        config = WrapperConfig(
             process_group=process_group,
             sharding_strategy=sharding_strategy,
             cpu_offload=cpu_offload,
+            auto_wrap_policy=auto_wrap_policy,
             backward_prefetch=backward_prefetch,
             mixed_precision=mixed_precision,
+            ignored_modules=ignored_modules,
             param_init_fn=param_init_fn,
             device_id=device_id,
             sync_module_states=sync_module_states,
@@ -84,44 +83,42 @@ class FullyShardedDataParallel(nn.Module):
             ignored_states=ignored_states,
             device_mesh=device_mesh,
         )
-        setup.check_arguments(module, FullyShardedDataParallel, **given)
-        setup.check_hybrid_groups(sharding_strategy, process_group, device_mesh, auto_wrap_policy)
-        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
-        device = setup.compute_device(module, device_id, process_group, device_mesh)
-        mesh_info = setup.mesh_info_for_strategy(strategy, process_group, device_mesh, device)
-        runs = setup.strategy_for_group(strategy, mesh_info)
-        if runs is not strategy:
-            mesh_info = setup.mesh_info_for_strategy(runs, process_group, device_mesh, device)
-        ignored = setup.ignored_sets(
-            module, ignored_modules, ignored_states, FullyShardedDataParallel
+        self._build(module, config)
+
+    @classmethod
+    def _from_config(cls, module: nn.Module, config: WrapperConfig) -> FullyShardedDataParallel:
+        """An instance built from a checked config: how auto-wrapping builds children (see
+        [Note: the wrapper's configuration] in config.py)."""
+        instance = cls.__new__(cls)
+        nn.Module.__init__(instance)
+        instance._build(module, config)
+        return instance
+
+    def _build(self, module: nn.Module, config: WrapperConfig) -> None:
+        """Wrap ``module`` as ``config`` says: its mesh and device, the children a policy
+        picks, then this instance's state (kept under it: see [Note: an instance's state and
+        its module] in state.py) and its own parameters, flattened."""
+        asked = config.sharding_strategy
+        device = setup.compute_device(
+            module, config.device_id, config.process_group, config.device_mesh
         )
+        mesh_info = setup.mesh_info_for_strategy(asked, config, device)
+        runs = setup.strategy_for_group(asked, mesh_info)
+        if runs is not asked:
+            mesh_info = setup.mesh_info_for_strategy(runs, config, device)
+        ignored = setup.ignored_sets(module, config, FullyShardedDataParallel)
         mark_fsdp_managed(
-            (m for m in module.modules() if m not in ignored[0]), params_are_own=use_orig_params
+            (m for m in module.modules() if m not in ignored.modules),
+            params_are_own=config.use_orig_params,
         )
         install_eager_methods(FullyShardedDataParallel)
-        if auto_wrap_policy is not None:
-            _wrap_children(module, auto_wrap_policy, strategy, mesh_info, ignored, given)
-        self._become_wrapper(module, runs, mesh_info, device, ignored, given)
-
-    def _become_wrapper(self, module, strategy, mesh_info, device, ignored, given) -> None:
-        """Keep this instance's state under it (see [Note: an instance's state and its
-        module] in state.py), register ``module`` and flatten its own parameters."""
-        mixed_precision = given["mixed_precision"]
-        settings = WrapperSettings(
-            strategy,
-            given["cpu_offload"] or CPUOffload(),
-            given["backward_prefetch"],
-            given["forward_prefetch"],
-            given["limit_all_gathers"],
-            # None reads as all-default settings (full precision), as torch's wrapper keeps it.
-            mixed_precision if mixed_precision is not None else MixedPrecision(),
-            given["use_orig_params"],
-        )
-        state = WrapperState(self, settings, mesh_info, device, *ignored)
+        if config.auto_wrap_policy is not None:
+            _wrap_children(module, config, mesh_info, ignored)
+        state = WrapperState(self, config, runs, mesh_info, device, ignored)
         self.__dict__[STATE_KEY] = state
         self.add_module(WRAPPED_MODULE, module)
-        state_dict.init_state_dict(state, given["device_mesh"])
-        _take_parameters(state, given["param_init_fn"], given["sync_module_states"])
+        state_dict.init_state_dict(state)
+        _take_parameters(state)
 
     # -- what torch's wrapper shows -------------------------------------------------------
 
@@ -132,27 +129,28 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
-        return self._fsdp_wrapper_state.settings.strategy
+        """The strategy this instance runs (``NO_SHARD`` for a sharded one over one rank)."""
+        return self._fsdp_wrapper_state.strategy
 
     @property
     def cpu_offload(self) -> CPUOffload:
-        return self._fsdp_wrapper_state.settings.cpu_offload
+        return self._fsdp_wrapper_state.config.cpu_offload
 
     @property
     def backward_prefetch(self) -> BackwardPrefetch | None:
-        return self._fsdp_wrapper_state.settings.backward_prefetch
+        return self._fsdp_wrapper_state.config.backward_prefetch
 
     @property
     def forward_prefetch(self) -> bool:
-        return self._fsdp_wrapper_state.settings.forward_prefetch
+        return self._fsdp_wrapper_state.config.forward_prefetch
 
     @property
     def limit_all_gathers(self) -> bool:
-        return self._fsdp_wrapper_state.settings.limit_all_gathers
+        return self._fsdp_wrapper_state.config.limit_all_gathers
 
     @property
     def mixed_precision(self) -> MixedPrecision:
-        return self._fsdp_wrapper_state.settings.mixed_precision
+        return self._fsdp_wrapper_state.config.precision
 
     @property
     def compute_device(self) -> torch.device:
@@ -240,7 +238,7 @@ class FullyShardedDataParallel(nn.Module):
         so ours is registered again afterwards."""
         state = self._fsdp_wrapper_state
         module, handle = state.inner, state.handle
-        use_orig_params = state.settings.use_orig_params
+        use_orig_params = state.config.use_orig_params
         params = registered_parameters(module)
         if use_orig_params:
             handle.hide_originals()
@@ -404,6 +402,7 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # FSDP's steps run eagerly; the wrapped module between them may be compiled.
         state = self._fsdp_wrapper_state
+        full_params.refuse_forward_while_summoning(state)
         args, kwargs = state._pre_forward(self, args, kwargs)
         try:
             output = self._fsdp_wrapped_module(*args, **kwargs)
@@ -434,7 +433,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         instances = self._fsdp_wrapper_state.ctx.states
         for instance in instances:
-            if instance.strategy in setup.HYBRID:
+            if instance.strategy in HYBRID:
                 raise AssertionError(
                     "Communication hook is not supported for hybrid strategies: "
                     f"{instance} runs {instance.strategy}"
@@ -536,40 +535,56 @@ class FullyShardedDataParallel(nn.Module):
         return full_params.clip_grad_norm(self._fsdp_wrapper_state, max_norm, norm_type)
 
 
-def _wrap_children(module, policy, strategy, mesh_info, ignored, given) -> None:
-    """Wrap what ``policy`` picks below ``module``, each child given what this instance was
-    (``given``), with a hybrid mesh built once, here, and ignored parameters ignored inside
-    the children holding them."""
-    hybrid = strategy in setup.HYBRID
-    children = dict(
-        given,
-        process_group=None if hybrid else given["process_group"],
-        sharding_strategy=strategy,
-        ignored_states=ignored[1] or None,
-        device_mesh=mesh_info.mesh if hybrid else given["device_mesh"],
+def _wrap_children(
+    module: nn.Module, config: WrapperConfig, mesh_info: MeshInfo, ignored: setup.Ignored
+) -> None:
+    """Wrap what the root's policy picks below ``module``. Every child is built from one
+    config made from the root's: the hybrid mesh built once, here, in place of process
+    groups, the root's ignored parameters ignored inside the children holding them, no
+    policy. Each then changes what its :class:`~reffsdp.wrap.WrapDecision` says."""
+    hybrid = config.sharding_strategy in HYBRID
+    children = dataclasses.replace(
+        config,
+        process_group=None if hybrid else config.process_group,
+        device_mesh=mesh_info.mesh if hybrid else config.device_mesh,
+        auto_wrap_policy=None,
+        ignored_modules=None,
+        ignored_states=tuple(ignored.params) or None,
     )
-    auto_wrap_children(module, policy, FullyShardedDataParallel, children, *ignored)
+
+    def wrap_child(child: nn.Module, decision: WrapDecision) -> FullyShardedDataParallel:
+        child_config = children.with_overrides(decision.overrides, type(child).__name__)
+        if decision.full_precision:  # see [Note: mixed precision skips batch norm] in wrap.py
+            child_config = dataclasses.replace(child_config, mixed_precision=None)
+        return FullyShardedDataParallel._from_config(child, child_config)
+
+    auto_wrap_children(
+        module,
+        config.auto_wrap_policy,
+        FullyShardedDataParallel,
+        wrap_child,
+        ignored.modules,
+        ignored.params,
+        mixed_precision=config.mixed_precision,
+        use_orig_params=config.use_orig_params,
+    )
     call_through_wrappers(module, FullyShardedDataParallel)
 
 
-def _take_parameters(
-    state: WrapperState,
-    param_init_fn: Callable[[nn.Module], None] | None,
-    sync_module_states: bool,
-) -> None:
+def _take_parameters(state: WrapperState) -> None:
     """Give this instance's own modules real storage on its device (rank 0's values with
     ``sync_module_states``) and flatten their parameters into its group."""
-    module, ignored_modules = state.wrapped, state.ignored_modules
+    config, module, ignored = state.config, state.wrapped, state.ignored
     setup.materialize(
-        module, param_init_fn, state.device, ignored_modules, FullyShardedDataParallel
+        module, config.param_init_fn, state.device, ignored.modules, FullyShardedDataParallel
     )
     own_modules = state.own_modules()
-    offload = state.settings.cpu_offload.offload_params
+    offload = config.cpu_offload.offload_params
     setup.move_to_device(own_modules, state.device, offload, FullyShardedDataParallel)
     entries = setup.managed_params(
-        module, ignored_modules, state.ignored_params, FullyShardedDataParallel, FLAT_PARAM
+        module, ignored.modules, ignored.params, FullyShardedDataParallel, FLAT_PARAM
     )
-    if sync_module_states:
+    if config.sync_module_states:
         buffers = [b for m in own_modules for b in m.buffers(recurse=False)]
         setup.sync_module_states([p for p, _ in entries], buffers, state.mesh_info)
     if entries:

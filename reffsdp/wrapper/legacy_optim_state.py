@@ -43,6 +43,7 @@ from .optim_state import (
     STATE,
     Key,
     SaveOptions,
+    check_model_and_optim,
     is_named,
     optimizer_ids,
     optimizer_names,
@@ -74,6 +75,7 @@ def full_optim_state_dict(
     rank0_only: bool = True,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
+    check_model_and_optim("full_optim_state_dict", model, optim)
     _warn_deprecated("full_optim_state_dict", "optim_state_dict")
     _warn_optim_input(optim_input)
     raw = optim.state_dict()
@@ -85,6 +87,7 @@ def full_optim_state_dict(
 def sharded_optim_state_dict(
     model: nn.Module, optim: torch.optim.Optimizer, group: dist.ProcessGroup | None = None
 ) -> dict[str, Any]:
+    check_model_and_optim("sharded_optim_state_dict", model, optim)
     _warn_deprecated("sharded_optim_state_dict", "optim_state_dict")
     config = sd.get_state_dict_type(model).optim_state_dict_config
     options = SaveOptions(full=False, use_dtensor=getattr(config, "_use_dtensor", False))

@@ -69,6 +69,34 @@ Key = int | str  # an optimizer state dict's key for a parameter: its id, or its
 Names = tuple[str, ...]  # the original names one optimizer parameter stands for
 
 
+class ModelOptimizerError(TypeError, AttributeError):
+    """A ``model`` that is no module or an ``optim`` that is no optimizer (most often the two
+    swapped): a ``TypeError``, and the ``AttributeError`` torch's wrapper fails with, asking
+    the optimizer for its modules."""
+
+
+def check_model_and_optim(call: str, model: Any, optim: Any) -> None:
+    """``call(model, optim, ...)`` takes the wrapped model first and its optimizer second."""
+    is_optimizer = hasattr(optim, PARAM_GROUPS) and hasattr(optim, "state_dict")
+    if isinstance(model, nn.Module) and is_optimizer:
+        return
+    if isinstance(optim, nn.Module) and hasattr(model, PARAM_GROUPS):
+        raise ModelOptimizerError(
+            f"FullyShardedDataParallel.{call}(model, optim, ...) takes the model first and "
+            f"the optimizer second, got a {type(model).__name__} and then a "
+            f"{type(optim).__name__}: swap the two"
+        )
+    if not isinstance(model, nn.Module):
+        raise ModelOptimizerError(
+            f"FullyShardedDataParallel.{call}'s model must be the wrapped nn.Module, got a "
+            f"{type(model).__name__}"
+        )
+    raise ModelOptimizerError(
+        f"FullyShardedDataParallel.{call}'s optim must be the model's torch.optim.Optimizer, "
+        f"got a {type(optim).__name__}"
+    )
+
+
 @dataclass(frozen=True)
 class Owner:
     """Which original parameters one optimizer parameter stands for."""
@@ -147,6 +175,7 @@ def optim_state_dict(
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """``optim``'s state keyed by original names, full or sharded per the type in force."""
+    check_model_and_optim("optim_state_dict", model, optim)
     settings = sd.get_state_dict_type(model)
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     config = settings.optim_state_dict_config

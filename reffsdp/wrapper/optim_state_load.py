@@ -38,6 +38,7 @@ from .optim_state import (
     STATE,
     Key,
     Owner,
+    check_model_and_optim,
     copy_value,
     is_shardable,
     optimizer_ids,
@@ -57,6 +58,7 @@ def optim_state_dict_to_load(
     """Turn a state dict from ``optim_state_dict`` into one ``optim.load_state_dict``
     takes: keyed by parameter ids (names for a named optimizer), this rank's shard of
     every state tensor."""
+    check_model_and_optim("optim_state_dict_to_load", model, optim)
     settings = sd.get_state_dict_type(model)
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     rank0_only = full and getattr(settings.optim_state_dict_config, "rank0_only", False)

@@ -6,11 +6,10 @@ builds its flat parameter; none of it is needed during training.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,32 +18,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from ..api import ShardingStrategy
 from ..core import comms
 from ..core.mesh import MeshInfo
 from ..core.torch_internals import registered_parameters
-
-HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-
-
-_ARGUMENT_TYPES: dict[str, type] = {
-    "sharding_strategy": ShardingStrategy,
-    "cpu_offload": CPUOffload,
-    "backward_prefetch": BackwardPrefetch,
-    "mixed_precision": MixedPrecision,
-    "device_mesh": DeviceMesh,
-}
+from .config import HYBRID, WrapperConfig, describe, is_stand_in
 
 
-_CHECKED = (*_ARGUMENT_TYPES, "process_group", "param_init_fn")  # in the order checked
-
-
-def check_arguments(module: Any, wrapper_cls: type, **arguments: Any) -> None:
-    """Refuse a module that cannot be wrapped and arguments of the wrong type, by name.
-
-    ``arguments`` are the constructor's keyword arguments; those named in ``_ARGUMENT_TYPES``
-    (each may be ``None``), ``process_group`` and ``param_init_fn`` are checked.
-    """
+def check_module(module: Any, wrapper_cls: type) -> None:
+    """Refuse a module that cannot be wrapped (the other arguments are the config's to
+    check: see [Note: the wrapper's configuration] in config.py)."""
     if isinstance(module, wrapper_cls):
         raise ValueError(
             f"the module is already a {wrapper_cls.__name__} (wrapping "
@@ -53,83 +36,7 @@ def check_arguments(module: Any, wrapper_cls: type, **arguments: Any) -> None:
             "instances (without an auto_wrap_policy)"
         )
     if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {_describe(module)}")
-    for name in _CHECKED:
-        value = arguments.get(name)
-        if name == "process_group":
-            _check_process_group(value)
-        elif name == "param_init_fn":
-            _check_param_init_fn(value)
-        else:
-            _check_type(name, value)
-    if arguments.get("mixed_precision") is not None:
-        _check_dtypes(arguments["mixed_precision"])
-
-
-def check_hybrid_groups(
-    strategy: ShardingStrategy | None, process_group: Any, device_mesh: Any, auto_wrap_policy: Any
-) -> None:
-    """Hybrid instances wrapped by hand must be handed their groups: built per instance,
-    nothing would make them agree. An auto-wrapping root builds them once for all."""
-    given = (process_group, device_mesh, auto_wrap_policy)
-    if strategy in HYBRID and all(x is None for x in given):
-        raise ValueError(
-            f"Manual wrapping with {strategy} requires explicit specification of process "
-            "group or device_mesh: pass process_group=(shard_group, replicate_group) or a 2-D "
-            "device_mesh, the same to every instance, or wrap with an auto_wrap_policy, "
-            "which builds the groups once for every instance it creates"
-        )
-
-
-def _check_type(name: str, value: Any) -> None:
-    expected = _ARGUMENT_TYPES[name]
-    if value is not None and not isinstance(value, expected):
-        where = "reffsdp" if expected.__module__.startswith("reffsdp") else expected.__module__
-        raise TypeError(
-            f"{name} must be a {where}.{expected.__name__} or None, got {_describe(value)}"
-        )
-
-
-def _check_dtypes(mixed_precision: MixedPrecision) -> None:
-    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
-        value = getattr(mixed_precision, name)
-        if value is not None and not isinstance(value, torch.dtype):
-            raise TypeError(
-                f"MixedPrecision's {name} must be torch.dtype (such as torch.bfloat16) or "
-                f"None, got {_describe(value)}"
-            )
-
-
-def _check_param_init_fn(value: Any) -> None:
-    """torch checks only when a module is on the meta device; a wrong one is wrong anyway."""
-    if value is not None and not callable(value):
-        raise ValueError(
-            f"Expected param_init_fn to be callable but got {_describe(value)}: pass a "
-            "function that takes a module and gives its meta-device parameters and buffers "
-            "real storage and values, or None"
-        )
-
-
-def _check_process_group(value: Any) -> None:
-    groups = value if isinstance(value, tuple) else (value,)
-    if value is None or all(isinstance(g, dist.ProcessGroup) for g in groups):
-        return
-    answers = all(callable(getattr(value, method, None)) for method in ("rank", "size"))
-    if is_stand_in(value) and answers:
-        return
-    raise TypeError(
-        "process_group must be a ProcessGroup, a (shard_group, replicate_group) pair of them "
-        "for a hybrid strategy, an object with rank() and size() to decide sharding and "
-        f"wrapping without communicating, or None, got {_describe(value)}"
-    )
-
-
-def is_stand_in(process_group: Any) -> bool:
-    """Whether ``process_group`` stands in for a group: neither ``None``, a ProcessGroup
-    nor a hybrid pair (``check_arguments`` makes sure it answers ``rank()`` and ``size()``).
-    torch's tests pass one to check wrapping decisions with no process group initialized;
-    instances built over one never communicate."""
-    return process_group is not None and not isinstance(process_group, (dist.ProcessGroup, tuple))
+        raise TypeError(f"module must be an nn.Module, got {describe(module)}")
 
 
 @dataclass(frozen=True)
@@ -152,21 +59,6 @@ class StandInMesh:
 
     def get_rank(self) -> int:
         return self.group.rank()
-
-
-def _describe(value: Any) -> str:
-    """A value for an error message: its type, and the value itself when that is short
-    (never a module's repr). Types from outside reffsdp and builtins carry their module, so
-    torch's ``ShardingStrategy`` does not read like reffsdp's."""
-    kind = type(value)
-    name = kind.__qualname__
-    if kind.__module__.split(".")[0] not in ("builtins", "reffsdp"):
-        name = f"{kind.__module__}.{name}"
-    if isinstance(value, (str, int, float, enum.Enum)):
-        return f"{name} {value!r}"
-    if isinstance(value, tuple):
-        return f"a tuple of {[type(v).__name__ for v in value]}"
-    return name
 
 
 def compute_device(
@@ -219,20 +111,15 @@ def _mesh_of(group: Any, device_type: str) -> DeviceMesh | StandInMesh:
 
 
 def mesh_info_for_strategy(
-    strategy: ShardingStrategy,
-    process_group: Any,
-    device_mesh: DeviceMesh | None,
-    device: torch.device,
+    strategy: ShardingStrategy, config: WrapperConfig, device: torch.device
 ) -> MeshInfo:
-    """The data-parallel mesh of one instance: who all-gathers and who all-reduces.
+    """The data-parallel mesh of one instance running ``strategy`` over the process group or
+    device mesh of ``config``: who all-gathers and who all-reduces.
 
     FULL_SHARD / SHARD_GRAD_OP shard over the group; NO_SHARD only all-reduces over it;
     the hybrid strategies shard within ``(shard, replicate)`` groups.
     """
-    if process_group is not None and device_mesh is not None:
-        raise ValueError(
-            "FullyShardedDataParallel takes a process_group or a device_mesh, not both"
-        )
+    process_group, device_mesh = config.process_group, config.device_mesh
     if not dist.is_initialized() and not is_stand_in(process_group):
         dist.init_process_group()
     device_type = device.type
@@ -273,7 +160,7 @@ def _hybrid_mesh(process_group: Any, device_mesh: DeviceMesh | None, device_type
         raise ValueError(
             "Expected process_group to be passed in as either None or a (shard_group, "
             "replicate_group) pair of ProcessGroups for a hybrid strategy, but got "
-            f"{_describe(process_group)}; a 2-D device_mesh works too"
+            f"{describe(process_group)}; a 2-D device_mesh works too"
         )
     shard_group, replicate_group = process_group
     shard_ranks = dist.get_process_group_ranks(shard_group)
@@ -339,14 +226,18 @@ def _intra_inter_node_mesh(device_type: str) -> DeviceMesh:
     )
 
 
-def ignored_sets(
-    module: nn.Module,
-    ignored_modules: Iterable[nn.Module] | None,
-    ignored_states: Iterable[Any] | None,
-    wrapper_cls: type,
-) -> tuple[set[nn.Module], set[nn.Parameter]]:
-    """Modules (with their subtrees) and parameters the instance never shards."""
-    items = _ignored_items(ignored_modules, ignored_states)
+@dataclass(frozen=True)
+class Ignored:
+    """What an instance never shards: ``modules`` holds every module of the ignored subtrees,
+    ``params`` their parameters and any parameters ignored on their own."""
+
+    modules: frozenset[nn.Module]
+    params: frozenset[nn.Parameter]
+
+
+def ignored_sets(module: nn.Module, config: WrapperConfig, wrapper_cls: type) -> Ignored:
+    """The modules (with their subtrees) and parameters ``config`` says to leave alone."""
+    items = config.ignored_states or config.ignored_modules or ()
     roots = [x for x in items if isinstance(x, nn.Module)]
     params = {x for x in items if isinstance(x, nn.Parameter)}
     modules: set[nn.Module] = set()
@@ -363,42 +254,11 @@ def ignored_sets(
             f"will result in all parameters being ignored: every parameter of the "
             f"{type(module).__name__} stays unsharded and {wrapper_cls.__name__} has nothing "
             "to manage; wrap a parent module instead, or ignore only some children",
-            stacklevel=3,
+            stacklevel=4,
         )
     for sub in modules:
         params.update(sub.parameters(recurse=False))
-    return modules, params
-
-
-def _ignored_items(ignored_modules: Any, ignored_states: Any) -> list[Any]:
-    """The one ignore argument given, as a list: all modules, or (``ignored_states`` only)
-    all parameters."""
-    if ignored_modules is not None and ignored_states is not None:
-        raise ValueError(
-            "Cannot pass both ignored_modules and ignored_states at the same time; pass only "
-            "ignored_states, which takes modules or parameters"
-        )
-    name = "ignored_states" if ignored_states is not None else "ignored_modules"
-    given = ignored_states if ignored_states is not None else ignored_modules
-    try:
-        items = list(given or ())
-    except TypeError:
-        kinds = "nn.Modules or of nn.Parameters" if name == "ignored_states" else "nn.Modules"
-        raise TypeError(f"{name} must be an iterable of {kinds}, got {_describe(given)}") from None
-    types = sorted({type(x) for x in items}, key=repr)
-    if name == "ignored_modules" and not all(isinstance(x, nn.Module) for x in items):
-        raise ValueError(
-            f"ignored_modules expects nn.Module list elements but got types {types}; to "
-            "ignore single parameters pass them as ignored_states"
-        )
-    is_param = [isinstance(x, nn.Parameter) for x in items]
-    is_module = [isinstance(x, nn.Module) for x in items]
-    if not (all(is_param) or all(is_module)):
-        raise ValueError(
-            "ignored_states expects all nn.Parameter or all nn.Module list elements but got "
-            f"types {types}; pass either the modules or their parameters"
-        )
-    return items
+    return Ignored(frozenset(modules), frozenset(params))
 
 
 def materialize(
@@ -532,13 +392,13 @@ def strategy_for_group(strategy: ShardingStrategy, mesh_info: MeshInfo) -> Shard
         warnings.warn(
             "ShardingStrategy.NO_SHARD is deprecated (as in torch); use DistributedDataParallel",
             FutureWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     elif strategy not in HYBRID and mesh_info.shard_size == 1:
         warnings.warn(
             f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size "
             "is 1: over one rank every parameter is whole anyway, so it only all-reduces",
-            stacklevel=3,
+            stacklevel=4,
         )
         return ShardingStrategy.NO_SHARD
     return strategy

@@ -43,19 +43,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..api import (
-    BackwardPrefetch,
-    CPUOffload,
-    MixedPrecision,
-    ShardingStrategy,
-    StateDictSettings,
-)
+from ..api import BackwardPrefetch, ShardingStrategy, StateDictSettings
 from ..core.driver import IterationDriver, RootContext
 from ..core.mesh import MeshInfo
 from ..core.param_group import GroupSettings, ParamGroup
 from ..core.states import TrainingState
 from ..core.torch_internals import CHECKPOINT_WRAPPED_MODULE, has_optimizer_in_backward
 from . import setup
+from .config import WrapperConfig
 from .flat_param import FlatParamHandle, ParamSlot
 
 STATE_KEY = "_fsdp_wrapper_state"
@@ -72,21 +67,6 @@ def state_of(module: nn.Module) -> WrapperState | None:
 def states_under(module: nn.Module) -> list[WrapperState]:
     """The states of every instance in ``module``'s tree, pre-order (``module``'s first)."""
     return [state for sub in module.modules() if (state := state_of(sub)) is not None]
-
-
-@dataclass(frozen=True)
-class WrapperSettings:
-    """What an instance was built with and keeps (the constructor's arguments, resolved)."""
-
-    strategy: ShardingStrategy  # FULL_SHARD and SHARD_GRAD_OP on one rank run NO_SHARD
-    cpu_offload: CPUOffload
-    backward_prefetch: BackwardPrefetch | None
-    forward_prefetch: bool
-    # torch's rate limiter (at most two all-gathers ahead of compute) holds by construction
-    # here: see rule 3 of [Note: why all-gathers get their own stream] in core/streams.
-    limit_all_gathers: bool
-    mixed_precision: MixedPrecision  # MixedPrecision() when none was given, as torch's
-    use_orig_params: bool
 
 
 @dataclass
@@ -106,24 +86,26 @@ class WrapperState(IterationDriver):
     def __init__(
         self,
         module: nn.Module,
-        settings: WrapperSettings,
+        config: WrapperConfig,
+        strategy: ShardingStrategy,
         mesh_info: MeshInfo,
         device: torch.device,
-        ignored_modules: set[nn.Module],
-        ignored_params: set[nn.Parameter],
+        ignored: setup.Ignored,
     ) -> None:
         super().__init__(None, device, WrapperRootContext())
         self.module = module  # the FullyShardedDataParallel this is the state of
-        self.settings = settings
+        self.config = config  # what it was built with (see [Note: the wrapper's configuration])
+        # What it runs: config.sharding_strategy, but FULL_SHARD and SHARD_GRAD_OP over one
+        # rank run NO_SHARD (setup.strategy_for_group).
+        self.strategy = strategy
         self.mesh_info = mesh_info
-        self.ignored_modules = ignored_modules
-        self.ignored_params = ignored_params
+        self.ignored = ignored
         self.handle: FlatParamHandle | None = None  # with the group, if any parameter is ours
         self.sync_gradients = True  # False inside no_sync()
         self.summoning = False  # inside summon_full_params (or apply) for this instance
         # See [Note: wrapper state dicts] in state_dict (state_dict.init_state_dict sets them).
         self.state_dict_settings: StateDictSettings | None = None
-        self.device_mesh: Any = None  # a mesh the constructor was given: DTensor state dicts
+        self.device_mesh: Any = None  # config.device_mesh unless inherited: DTensor state dicts
         self.orig_buffer_dtypes: dict[str, torch.dtype] = {}  # before buffer_dtype casts
         self.state_dict_window: contextlib.ExitStack | None = None  # a save or load's summon
 
@@ -147,12 +129,8 @@ class WrapperState(IterationDriver):
         """The modules whose parameters and buffers are this instance's: the wrapped tree
         less ignored subtrees and nested instances' trees."""
         return setup.unwrapped_modules(
-            self.wrapped, self.ignored_modules, lambda sub: state_of(sub) is not None
+            self.wrapped, self.ignored.modules, lambda sub: state_of(sub) is not None
         )
-
-    @property
-    def strategy(self) -> ShardingStrategy:
-        return self.settings.strategy
 
     @property
     def process_group(self) -> Any:
@@ -172,36 +150,34 @@ class WrapperState(IterationDriver):
     def build_group(self, entries: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]]):
         """Flatten ``entries`` (each parameter with every place it is registered) into this
         instance's handle, the one member of its group (see [Note: the wrapper on the core])."""
-        settings, mesh_info, inner = self.settings, self.mesh_info, self.inner
+        config, mesh_info, inner = self.config, self.mesh_info, self.inner
         slots = [[ParamSlot(m, name, fqn) for m, name, fqn in refs] for _, refs in entries]
-        unsharded = settings.strategy is ShardingStrategy.NO_SHARD
+        unsharded = self.strategy is ShardingStrategy.NO_SHARD
         handle = FlatParamHandle(
             slots,
             [param for param, _ in entries],
             mesh_info.shard_size,
             mesh_info.shard_rank,
             self.device,
-            use_orig_params=settings.use_orig_params,
-            offload=settings.cpu_offload.offload_params,
+            config,
             fqn_prefix=f"{WRAPPED_MODULE}.",
             owner=repr(self),
             pad_multiple=mesh_info.replicate_size if unsharded else None,
         )
         handle.post_backward_hook = self._post_backward
-        mp = settings.mixed_precision
-        handle.keep_low_precision_grads = mp.keep_low_precision_grads
-        if settings.use_orig_params:  # see [Note: names in state dicts] in state_dict
+        if config.use_orig_params:  # see [Note: names in state dicts] in state_dict
             inner.__dict__[FLAT_PARAM] = handle.flat_param
         else:
             inner.register_parameter(FLAT_PARAM, handle.flat_param)
         group_settings = GroupSettings(
-            reshard_after_forward=settings.strategy in RESHARD_AFTER_FORWARD,
+            reshard_after_forward=self.strategy in RESHARD_AFTER_FORWARD,
             # Every strategy regathers after backward: the optimizer updates the shards.
             reshard_after_backward=True,
             # Torch's wrapper never reduces with AVG: it divides by the pre factor, sums,
             # and divides by the post factor (see pre_post_divide_factors). Same numerics.
             force_sum_reduction=True,
         )
+        mp = config.precision
         self.handle = handle
         self.group = ParamGroup(
             [handle],
@@ -224,7 +200,7 @@ class WrapperState(IterationDriver):
 
     @property
     def _root_keeps_unsharded(self) -> bool:
-        return self.settings.strategy in RESHARD_AFTER_FORWARD
+        return self.strategy in RESHARD_AFTER_FORWARD
 
     def _finish_lazy_init(self, states: list[IterationDriver]) -> None:
         for state in states:
@@ -234,7 +210,7 @@ class WrapperState(IterationDriver):
         """Floating buffers of this instance's own modules to its ``buffer_dtype``: each
         instance's own setting, so batch norm wrapped with mixed precision off stays fp32
         (see [Note: mixed precision skips batch norm] in wrap.py)."""
-        dtype = self.settings.mixed_precision.buffer_dtype
+        dtype = self.config.precision.buffer_dtype
         if dtype is None:
             return
         for sub in self.own_modules():
@@ -248,13 +224,13 @@ class WrapperState(IterationDriver):
         for state in states_under(self.module):
             state.is_root = None
             state.ctx = WrapperRootContext()
-            if state.group is not None and state.settings.strategy in RESHARD_AFTER_FORWARD:
+            if state.group is not None and state.strategy in RESHARD_AFTER_FORWARD:
                 state.group.configure(reshard_after_forward=True)  # the root had turned it off
 
     # -- forward --------------------------------------------------------------------------
 
     def _input_dtype(self, *, root: bool = False, recompute: bool = False) -> torch.dtype | None:
-        mp = self.settings.mixed_precision
+        mp = self.config.precision
         if recompute or mp.param_dtype is None:
             return None
         cast = mp.cast_root_forward_inputs if root else mp.cast_forward_inputs
@@ -268,11 +244,11 @@ class WrapperState(IterationDriver):
         return args, kwargs  # the post-backward hook sits on the handle (build_group)
 
     def _forward_prefetch(self) -> Iterable[ParamGroup]:
-        return self._to_prefetch(self._next_in_forward()) if self.settings.forward_prefetch else ()
+        return self._to_prefetch(self._next_in_forward()) if self.config.forward_prefetch else ()
 
     def _after_group_post_forward(self, backward_follows: bool) -> None:
-        reshards = self.settings.strategy in RESHARD_AFTER_FORWARD
-        if self.settings.use_orig_params and (reshards or not backward_follows):
+        reshards = self.strategy in RESHARD_AFTER_FORWARD
+        if self.config.use_orig_params and (reshards or not backward_follows):
             # Shard views, as torch shows: the root keeps its gathered buffer for backward,
             # and SHARD_GRAD_OP keeps the full views for backward only.
             assert self.handle is not None
@@ -309,14 +285,14 @@ class WrapperState(IterationDriver):
     # -- backward -------------------------------------------------------------------------
 
     def _backward_prefetch(self) -> Iterable[ParamGroup]:
-        if self.settings.backward_prefetch is not BackwardPrefetch.BACKWARD_PRE:
+        if self.config.backward_prefetch is not BackwardPrefetch.BACKWARD_PRE:
             return ()
         return self._to_prefetch(self._previous_in_forward())
 
     def _post_backward(self) -> None:
         """The handle's hook, once the unsharded flat parameter's gradient is accumulated."""
         assert self.group is not None
-        if self.settings.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             # Before this unit's reduction, as torch orders them: the next unit's gather is
             # not queued behind the reduce-scatter.
             for group in self._to_prefetch(self._previous_in_forward()):
@@ -324,7 +300,7 @@ class WrapperState(IterationDriver):
         self.group.post_backward()
 
     def _after_backward(self) -> None:
-        if self.settings.use_orig_params and self.handle is not None:
+        if self.config.use_orig_params and self.handle is not None:
             # Groups kept unsharded for the next backward (no_sync) show shards too.
             self.handle.show_sharded()
 

@@ -90,6 +90,7 @@ from ..core.torch_internals import (
     sharded_tensor,
 )
 from . import full_params
+from .config import describe
 from .full_params import WRAPPER_PREFIX as WRAPPED_PREFIX
 from .state import FLAT_PARAM, WrapperState, state_of, states_under
 
@@ -108,9 +109,10 @@ def clean_name(name: str) -> str:
 # -- settings -------------------------------------------------------------------------------
 
 
-def init_state_dict(instance: WrapperState, device_mesh: Any) -> None:
+def init_state_dict(instance: WrapperState) -> None:
     """At construction: FULL_STATE_DICT with default configs, and the four hooks (on the
     instance's module, each finding the instance's state there)."""
+    device_mesh = instance.config.device_mesh
     instance.device_mesh = device_mesh  # sharded state dicts then give DTensors
     if device_mesh is None:
         _forget_inherited_mesh(instance)
@@ -166,6 +168,7 @@ def set_state_dict_type(
             FutureWarning,
             stacklevel=3,
         )
+    _check_state_dict_type(state_dict_type)
     config_type, optim_config_type = _CONFIG_TYPES[state_dict_type]
     state_dict_config = state_dict_config if state_dict_config is not None else config_type()
     if optim_state_dict_config is None:
@@ -195,6 +198,26 @@ def set_state_dict_type(
     if previous is None:  # torch returns a settings object of Nones here
         return StateDictSettings(None, None, None)  # type: ignore[arg-type]
     return previous
+
+
+class StateDictTypeError(TypeError, KeyError):
+    """A ``state_dict_type`` that is no ``StateDictType`` (its name as a string, say): a
+    ``TypeError``, and the ``KeyError`` torch's wrapper raises looking it up."""
+
+    __str__ = Exception.__str__  # the message as written, not quoted as a KeyError's key
+
+
+def _check_state_dict_type(state_dict_type: Any) -> None:
+    if isinstance(state_dict_type, StateDictType):
+        return
+    # Its name, or torch's member of that name.
+    member = getattr(state_dict_type, "name", state_dict_type)
+    if not isinstance(member, str) or member not in StateDictType.__members__:
+        member = StateDictType.SHARDED_STATE_DICT.name
+    raise StateDictTypeError(
+        f"state_dict_type must be a reffsdp.StateDictType, got {describe(state_dict_type)}; "
+        f"pass the member, such as StateDictType.{member} (from reffsdp)"
+    )
 
 
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
@@ -369,7 +392,7 @@ def _restore_buffer_dtypes(instance: WrapperState, state_dict: dict[str, Any], p
     """Full and sharded state dicts hold buffers in the dtype they had before the
     instance's ``MixedPrecision.buffer_dtype`` cast them, as torch's do (local ones keep the
     cast)."""
-    buffer_dtype = instance.settings.mixed_precision.buffer_dtype
+    buffer_dtype = instance.config.precision.buffer_dtype
     if buffer_dtype is None:
         return
     for name, dtype in instance.orig_buffer_dtypes.items():

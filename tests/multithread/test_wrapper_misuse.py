@@ -8,12 +8,15 @@ clear ``TypeError`` / ``ValueError`` instead; the comments say which.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 from torch.distributed.optim import _apply_optimizer_in_backward
 
@@ -23,6 +26,7 @@ from reffsdp import (
     FullyShardedDataParallel,
     MixedPrecision,
     ShardingStrategy,
+    StateDictType,
 )
 from reffsdp.core.comms import Collective
 from reffsdp.testing.comm_counter import CommCounter
@@ -287,3 +291,145 @@ class TestWrapperArgumentValues(FSDPTestMultiThread):
         _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
         with pytest.raises(NotImplementedError, match="optimizer that steps in backward"):
             model(torch.ones(2, 4))
+
+    def test_an_auto_wrap_policy_must_be_one(self):
+        # torch calls whatever it is given: "'str' object is not callable", deep inside.
+        for wrapper_cls, extra in ((FullyShardedDataParallel, {}), (TorchFSDP, _TORCH_CPU)):
+            with pytest.raises(TypeError):
+                wrapper_cls(nn.Sequential(nn.Linear(4, 4)), auto_wrap_policy="size", **extra)
+        with pytest.raises(
+            TypeError, match=r"auto_wrap_policy must be a policy object .* got str 'size'"
+        ):
+            FullyShardedDataParallel(nn.Sequential(nn.Linear(4, 4)), auto_wrap_policy="size")
+
+    def test_mixed_precision_dtypes_must_be_floating_point(self):
+        """torch's wrapper takes integer dtypes and fails in the first forward (param_dtype:
+        "only floating point tensors can require gradients") or backward (reduce_dtype:
+        casting into it) with a RuntimeError; reffsdp refuses them when built, naming the
+        field, with an error that is a ValueError and a RuntimeError."""
+        for name in ("param_dtype", "reduce_dtype"):
+            with self.subTest(name=name):
+                theirs = TorchFSDP(
+                    nn.Linear(4, 4),
+                    mixed_precision=TorchMixedPrecision(**{name: torch.int64}),
+                    **_TORCH_CPU,
+                )
+                with pytest.raises(RuntimeError):
+                    theirs(torch.ones(2, 4)).sum().backward()
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            for error in (ValueError, RuntimeError):
+                with pytest.raises(
+                    error,
+                    match=f"MixedPrecision's {name} must be a floating-point dtype .* got "
+                    "torch.int64",
+                ):
+                    FullyShardedDataParallel(
+                        nn.Linear(4, 4), mixed_precision=MixedPrecision(**{name: torch.int64})
+                    )
+
+    def test_on_off_arguments_take_true_or_false(self):
+        # torch's wrapper takes any value and reads it as true or false: "yes" and -1 are on.
+        TorchFSDP(nn.Linear(4, 4), limit_all_gathers="yes", **_TORCH_CPU)
+        TorchFSDP(nn.Linear(4, 4), limit_all_gathers=-1, **_TORCH_CPU)
+        for name in ("sync_module_states", "forward_prefetch", "limit_all_gathers"):
+            with pytest.raises(TypeError, match=f"{name} must be True or False, got str 'yes'"):
+                FullyShardedDataParallel(nn.Linear(4, 4), **{name: "yes"})
+            with pytest.raises(ValueError, match=f"{name} is on or off, True or False; got -1"):
+                FullyShardedDataParallel(nn.Linear(4, 4), **{name: -1})
+        with pytest.raises(TypeError, match="use_orig_params must be True or False, got NoneType"):
+            FullyShardedDataParallel(nn.Linear(4, 4), use_orig_params=None)
+        with pytest.raises(TypeError, match="MixedPrecision's cast_forward_inputs must be True"):
+            FullyShardedDataParallel(
+                nn.Linear(4, 4), mixed_precision=MixedPrecision(cast_forward_inputs="no")
+            )
+        model = FullyShardedDataParallel(nn.Linear(4, 4), limit_all_gathers=0)  # 0 / 1 pass
+        self.assertFalse(model.limit_all_gathers)
+
+    def test_device_id_names_a_device(self):
+        for device_id, error, message in [
+            (-1, ValueError, "device_id must be a device index"),
+            ("gpu:0", ValueError, "device_id 'gpu:0' names no device"),
+            (1.5, TypeError, "device_id must be an int"),
+            (True, TypeError, "device_id must be an int"),
+        ]:
+            with self.subTest(device_id=device_id):
+                with pytest.raises(error, match=message):
+                    FullyShardedDataParallel(nn.Linear(4, 4), device_id=device_id)
+
+
+class TestWrapperMisuseAtRuntime(FSDPTestMultiThread):
+    """Calls on a built model that torch's wrapper fails on deep inside; reffsdp says what
+    was done wrong and what to do, with an error of a type that torch's is too."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_state_dict_type_must_be_the_enum(self):
+        theirs = TorchFSDP(nn.Linear(4, 4), **_TORCH_CPU)
+        with pytest.raises(KeyError):
+            TorchFSDP.set_state_dict_type(theirs, "SHARDED_STATE_DICT")
+        model = FullyShardedDataParallel(nn.Linear(4, 4))
+        for error in (TypeError, KeyError):
+            with pytest.raises(
+                error,
+                match=r"state_dict_type must be a reffsdp.StateDictType, got str "
+                r"'SHARDED_STATE_DICT'; pass the member, such as "
+                r"StateDictType.SHARDED_STATE_DICT",
+            ):
+                FullyShardedDataParallel.set_state_dict_type(model, "SHARDED_STATE_DICT")
+        with pytest.raises(TypeError, match="such as StateDictType.LOCAL_STATE_DICT"):
+            with FullyShardedDataParallel.state_dict_type(model, "LOCAL_STATE_DICT"):
+                pass
+        self.assertIs(
+            FullyShardedDataParallel.get_state_dict_type(model).state_dict_type,
+            StateDictType.FULL_STATE_DICT,  # unchanged
+        )
+
+    def test_optimizer_state_calls_take_the_model_first(self):
+        theirs = TorchFSDP(nn.Linear(4, 4), **_TORCH_CPU)
+        their_optim = torch.optim.Adam(theirs.parameters())
+        with pytest.raises(AttributeError):
+            TorchFSDP.optim_state_dict(their_optim, theirs)
+        model = FullyShardedDataParallel(nn.Linear(4, 4))
+        optim = torch.optim.Adam(model.parameters())
+        calls = [
+            ("optim_state_dict", lambda: FullyShardedDataParallel.optim_state_dict(optim, model)),
+            (
+                "optim_state_dict_to_load",
+                lambda: FullyShardedDataParallel.optim_state_dict_to_load(optim, model, {}),
+            ),
+        ]
+        for name, call in calls:
+            for error in (TypeError, AttributeError):
+                with pytest.raises(
+                    error,
+                    match=rf"{name}\(model, optim, ...\) takes the model first and the "
+                    "optimizer second, got a Adam and then a FullyShardedDataParallel",
+                ):
+                    call()
+        with pytest.raises(TypeError, match="optim must be the model's torch.optim.Optimizer"):
+            FullyShardedDataParallel.optim_state_dict(model, model.parameters())
+        FullyShardedDataParallel.optim_state_dict(model, optim)  # the right order works
+
+    def test_forward_inside_summon_full_params(self):
+        theirs = TorchFSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), **_TORCH_CPU)
+        with contextlib.suppress(AssertionError):  # torch's summon then fails on exit too
+            with TorchFSDP.summon_full_params(theirs):
+                with pytest.raises(RuntimeError):  # "setStorage: sizes [40] ..."
+                    theirs(torch.ones(2, 4))
+        model = FullyShardedDataParallel(
+            nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        )
+        model(torch.ones(2, 4)).sum().backward()
+        # The whole tree summoned, or only a nested instance: the root refuses either way.
+        for summoned in (model, model.module[1]):
+            with FullyShardedDataParallel.summon_full_params(summoned):
+                with pytest.raises(
+                    RuntimeError,
+                    match=r"cannot run forward inside summon_full_params .* leave the context "
+                    "first",
+                ):
+                    model(torch.ones(2, 4))
+        model(torch.ones(2, 4)).sum().backward()  # and after it, training goes on

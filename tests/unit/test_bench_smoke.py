@@ -254,7 +254,43 @@ def test_bytes_and_padding_follow_the_parity_suites_models():
     assert _padded_numel(model, 4) == padded_numel((5, 3), 4) + padded_numel((5,), 4) == 32
 
 
-def test_under_a_launcher_the_world_comes_from_it(monkeypatch):
+def _usage_error(argv: list[str], capsys) -> str:
+    """What the command line says refusing ``argv`` before anything runs (it must exit with
+    status 2, as the parity suite's does for bad arguments)."""
+    from reffsdp.bench.cli import resolve
+
+    with pytest.raises(SystemExit) as exit_info:
+        resolve(parser().parse_args(argv))
+    assert exit_info.value.code == 2, exit_info.value.code
+    return capsys.readouterr().err
+
+
+def test_range_errors_are_usage_errors(capsys):
+    for flag in ("--world-size", "--steps", "--rounds"):
+        for value in ("0", "-1"):
+            error = _usage_error([flag, value], capsys)
+            assert f"argument {flag}: must be at least 1, got {value}" in error
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_the_run(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for argv, problem in [
+        (["--json", str(a_file / "b.json")], f"{a_file} is not a folder"),
+        (["--json", str(tmp_path)], "is a folder; give a file name you can write"),
+        (["--profile", str(a_file)], "is not a folder; give a folder you can write"),
+        (["--profile", str(a_file / "traces")], f"{a_file} is not a folder"),
+    ]:
+        assert problem in _usage_error(argv, capsys), argv
+    # Folders that do not exist yet are made when the results are written.
+    from reffsdp.bench.cli import resolve
+
+    fine = ["--json", str(tmp_path / "new" / "b.json"), "--profile", str(tmp_path / "traces")]
+    resolve(parser().parse_args(fine))
+    assert not (tmp_path / "new").exists()  # nothing written by the check
+
+
+def test_under_a_launcher_the_world_comes_from_it(monkeypatch, capsys):
     from reffsdp.bench.cli import resolve
 
     launched = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
@@ -269,5 +305,4 @@ def test_under_a_launcher_the_world_comes_from_it(monkeypatch):
         (["--backend", "threaded"], "--backend threaded conflicts with the launched world"),
         (["--scaling"], "--scaling starts worlds of several sizes itself"),
     ]:
-        with pytest.raises(SystemExit, match=problem):
-            resolve(parser().parse_args(argv))
+        assert problem in _usage_error(argv, capsys)

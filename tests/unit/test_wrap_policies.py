@@ -4,7 +4,10 @@ torch's auto-wrap entry point (``_auto_wrap``, which runs ``_recursive_wrap`` fo
 policies and ``_Policy._run_policy`` plus a post-order pass for policy objects) is the
 reference: both sides wrap deep copies of one model with a recording wrapper class, and must
 construct the same wrappers, around the same modules, in the same order, with the same
-kwargs, leaving the same module tree and raising the same warnings.
+kwargs, leaving the same module tree and raising the same warnings. torch's hands each child
+the root's kwargs changed per module; ours hands a :class:`~reffsdp.wrap.WrapDecision` (the
+changes alone) to the wrapper, which applies it to the root's settings: ``_ours`` below
+applies it to the root's kwargs the way the wrapper applies it to its config.
 """
 
 from __future__ import annotations
@@ -110,6 +113,29 @@ def _recording_wrapper(log: list, paths: dict[nn.Module, str]) -> type[nn.Module
     return Wrapper
 
 
+def _ours(model, policy, wrapper_cls, root_kwargs, ignored_modules=(), ignored_params=()):
+    """``reffsdp.wrap.auto_wrap_children`` with children built as the wrapper builds them: the
+    root's kwargs, then the decision's overrides, then mixed precision off for full
+    precision."""
+
+    def wrap_child(module: nn.Module, decision: ref_wrap.WrapDecision) -> nn.Module:
+        kwargs = {**root_kwargs, **decision.overrides}
+        if decision.full_precision:
+            kwargs["mixed_precision"] = None
+        return wrapper_cls(module, **kwargs)
+
+    ref_wrap.auto_wrap_children(
+        model,
+        policy,
+        wrapper_cls,
+        wrap_child,
+        set(ignored_modules),
+        set(ignored_params),
+        mixed_precision=root_kwargs.get("mixed_precision"),
+        use_orig_params=root_kwargs.get("use_orig_params", False),
+    )
+
+
 def _run(side: str, model: nn.Module, policy_name: str, root_kwargs: dict, ignored: str | None):
     """Auto-wrap ``model`` with torch's or reffsdp's machinery; return what it did."""
     wrap_module = torch_wrap if side == "torch" else ref_wrap
@@ -126,9 +152,7 @@ def _run(side: str, model: nn.Module, policy_name: str, root_kwargs: dict, ignor
                 model, policy, ignored_modules, ignored_params, dict(root_kwargs), wrapper_cls
             )
         else:
-            ref_wrap.auto_wrap_children(
-                model, policy, wrapper_cls, dict(root_kwargs), ignored_modules, ignored_params
-            )
+            _ours(model, policy, wrapper_cls, root_kwargs, ignored_modules, ignored_params)
     tree = [(path, type(m).__name__) for path, m in model.named_modules(remove_duplicate=False)]
     return log, tree, len(caught)
 
@@ -154,24 +178,43 @@ def test_auto_wrap_matches_torch(model_name, policy_name, mixed_precision, ignor
         assert ours[0], "the policy wrapped nothing: the comparison is vacuous"
 
 
-def test_children_get_copies_of_the_root_kwargs():
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    created = []
+@pytest.mark.parametrize("callable_policy", [False, True])
+def test_decisions_carry_only_what_differs_per_module(callable_policy):
+    """Each child's decision holds its own overrides (a CustomPolicy's dict, or the module's
+    ``_wrap_overrides`` under a callable policy), none shared, and full precision for batch
+    norm under mixed precision; the root is the caller's to wrap."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.BatchNorm1d(2))
+    model[1]._wrap_overrides = {"use_orig_params": True}
 
-    class Wrapper(nn.Module):
-        def __init__(self, module, **kwargs):
-            super().__init__()
-            self.module, self.kwargs = module, kwargs
-            created.append(self)
+    def decide(module: nn.Module) -> bool | dict:
+        if module is model[1]:
+            return {"use_orig_params": True}
+        return module is not model
 
-    root_kwargs = {"sharding_strategy": "root"}
-    ref_wrap.auto_wrap_children(
-        model, ref_wrap.ModuleWrapPolicy({nn.Linear}), Wrapper, root_kwargs, set(), set()
-    )
-    created[0].kwargs["sharding_strategy"] = "changed"
-    assert created[1].kwargs["sharding_strategy"] == "root"
-    assert root_kwargs == {"sharding_strategy": "root"}
-    assert not isinstance(model, Wrapper)  # the root is the caller's to wrap
+    policy = ref_wrap.always_wrap_policy if callable_policy else ref_wrap.CustomPolicy(decide)
+    decisions = {}
+
+    def wrap_child(module, decision):
+        decisions[module] = decision
+        return _PlainWrapper(module)
+
+    children = list(model)
+    with pytest.warns(UserWarning, match="BatchNorm1d"):
+        ref_wrap.auto_wrap_children(
+            model,
+            policy,
+            _PlainWrapper,
+            wrap_child,
+            set(),
+            set(),
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+        )
+    assert [(dict(decisions[m].overrides), decisions[m].full_precision) for m in children] == [
+        ({}, False),
+        ({"use_orig_params": True}, False),
+        ({}, True),
+    ]
+    assert not isinstance(model, _PlainWrapper)
 
 
 class _PlainWrapper(nn.Module):
@@ -197,9 +240,7 @@ def test_mixed_requires_grad_in_one_wrapper(use_orig_params):
 
     def ours():
         policy = ref_wrap.CustomPolicy(_is_sequential)
-        ref_wrap.auto_wrap_children(
-            _half_frozen(), policy, _PlainWrapper, dict(root_kwargs), set(), set()
-        )
+        _ours(_half_frozen(), policy, _PlainWrapper, root_kwargs)
 
     def theirs():
         policy = torch_wrap.CustomPolicy(_is_sequential)
@@ -222,7 +263,7 @@ def test_already_wrapped_child_is_a_value_error(policy_name):
     model = nn.Sequential(nn.Linear(2, 2), _PlainWrapper(nn.Sequential(nn.Linear(2, 2))))
     policy = POLICIES[policy_name](ref_wrap)
     with pytest.raises(ValueError, match=r"submodule '1' is already a _PlainWrapper"):
-        ref_wrap.auto_wrap_children(model, policy, _PlainWrapper, {}, set(), set())
+        _ours(model, policy, _PlainWrapper, {})
 
 
 def test_custom_policy_rejects_other_returns():
@@ -252,7 +293,7 @@ def test_batch_norm_runs_in_fp32_like_torch():
             if side == "torch":
                 torch_auto_wrap(model, policy, set(), set(), root_kwargs, wrapper)
             else:
-                ref_wrap.auto_wrap_children(model, policy, wrapper, root_kwargs, set(), set())
+                _ours(model, policy, wrapper, root_kwargs)
         out = model[1](torch.ones(3, 4, dtype=torch.bfloat16).cumsum(0))
         assert seen == [(torch.float32, torch.float32)], side
         outputs.append(out)
