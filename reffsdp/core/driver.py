@@ -67,7 +67,7 @@ from .compile_support import install_eager_methods, run_eagerly
 from .param_group import ParamGroup, finish_backward
 from .param_group import end_backward as end_groups_backward
 from .runtime import CommContext
-from .states import TrainingState
+from .states import STATE_TRAINING, TrainingState, check_transition
 
 
 @dataclass
@@ -98,8 +98,25 @@ class IterationDriver:
         self.device = device
         self.ctx = ctx
         self.is_root: bool | None = None  # None until a root's lazy init
-        self.training_state = TrainingState.IDLE
+        # See [Note: state machines] in ``states``: it changes only in _to_training_state.
+        self._training_state = TrainingState.IDLE
         install_eager_methods(IterationDriver)
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self._training_state
+
+    def _to_training_state(self, new: TrainingState) -> None:
+        """The one place a state's training state changes (rules 1-3 of [Note: state
+        machines] in ``states``)."""
+        check_transition(STATE_TRAINING, self._training_state, new, owner=self)
+        self._training_state = new
+
+    def _leave_forward(self) -> None:
+        """FORWARD -> IDLE. Idle already: a forward of this state nested in this one ended
+        first. Any other state: this forward ran again in backward and leaves it alone."""
+        if self._training_state is TrainingState.FORWARD:
+            self._to_training_state(TrainingState.IDLE)
 
     @property
     def group(self) -> ParamGroup | None:
@@ -230,7 +247,7 @@ class IterationDriver:
         if self.ctx.iter_forward_root is None:
             self.ctx.iter_forward_root = self
             args, kwargs = self._root_pre_forward(args, kwargs)
-        self.training_state = TrainingState.FORWARD
+        self._to_training_state(TrainingState.FORWARD)
         args, kwargs = self._cast(self._input_dtype(), (args, kwargs))
         if self.groups:
             args, kwargs = self._group_pre_forward(module, args, kwargs)
@@ -262,7 +279,7 @@ class IterationDriver:
         if self.groups and self._leaves_group(module):
             self._group_post_forward()
         output = register_pre_backward(self._pre_backward, output, owner=repr(self))
-        self.training_state = TrainingState.IDLE
+        self._leave_forward()
         if self.ctx.iter_forward_root is self:
             self._end_forward_root()
             self.ctx.iter_forward_root = None
@@ -280,7 +297,7 @@ class IterationDriver:
 
     @run_eagerly  # see [Note: FSDP work runs outside compiled graphs]
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        self.training_state = TrainingState.PRE_BACKWARD
+        self._to_training_state(TrainingState.PRE_BACKWARD)
         ctx = self.ctx
         if not ctx.final_callback_queued:
             ctx.final_callback_queued = True
@@ -306,7 +323,7 @@ class IterationDriver:
             groups = [group for state in ctx.states for group in reversed(state.groups)]
             end_groups_backward(groups, self.comm_ctx, last=False, defer_reductions=manual)
             for state in ctx.states:
-                state.training_state = TrainingState.IDLE
+                state._to_training_state(TrainingState.IDLE)
                 state._after_backward()
             if ctx.is_last_backward and not manual:
                 self.end_iteration()

@@ -225,7 +225,7 @@ class FSDPState(IterationDriver):
             if state._modules_in_forward:
                 state._modules_in_forward.clear()
                 state._group_post_forward()
-                state.training_state = TrainingState.IDLE
+                state._leave_forward()
 
     # -- state dict hooks -----------------------------------------------------------------
 
@@ -281,7 +281,7 @@ class FSDPState(IterationDriver):
         comm.discard_reduces()
         self.ctx.post_forward_order.clear()
         for state in self.ctx.states:
-            state.training_state = TrainingState.IDLE
+            state._to_training_state(TrainingState.IDLE)
             state._modules_in_forward.clear()
             state._post_forward_indices.clear()
             for group in state.groups:
