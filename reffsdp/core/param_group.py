@@ -91,7 +91,7 @@ class ParamGroup:
         self._mp_dtypes = (param_dtype, reduce_dtype)
         # reshard_after_forward=k: a mesh whose shard dim groups k ranks (see unshard()).
         self.post_forward_mesh_info = post_forward_mesh_info
-        self.comm_ctx: CommContext | None = None  # bound by the root (see bind())
+        self.comm_ctx: CommContext | None = None  # bound by its state (see bind())
         # See [Note: state machines] in ``states``: each changes only in its _to_ method.
         self._training_state = TrainingState.IDLE
         self._sharded_state = ShardedState.SHARDED
@@ -113,7 +113,8 @@ class ParamGroup:
         self.settings = dataclasses.replace(self.settings, **changes)
 
     def bind(self, comm_ctx: CommContext) -> None:
-        """Use the root's communication context (streams, in-flight reductions)."""
+        """Use this communication context (streams, in-flight reductions): its state's, and
+        its root's once the root's lazy init ran (the state's driver binds it)."""
         self.comm_ctx = comm_ctx
 
     # -- states (see [Note: state machines] in ``states``) ------------------------------

@@ -3,7 +3,7 @@
 Each table is checked move by move; real ``fully_shard`` modules (rank 1 of a fake world)
 drive every legal move of a state's training state and of a group's sharding through the
 one method that makes it; and the source is read to prove that nothing else assigns
-those states.
+those states, or the communication context.
 """
 
 from __future__ import annotations
@@ -16,7 +16,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from reffsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from reffsdp import (
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from reffsdp.core.states import (
     GROUP_SHARDING,
     GROUP_TRAINING,
@@ -155,7 +160,7 @@ def test_a_group_refuses_illegal_sharding_moves(mesh):
 # -- one owner each ---------------------------------------------------------------------------
 
 # Attribute -> (module, method) pairs allowed to assign it: the owner's transition method
-# and its constructor.
+# and its constructor; the communication context's binding and its one replacement.
 OWNERS = {
     "training_state": set(),
     "_training_state": {
@@ -168,6 +173,15 @@ OWNERS = {
     "_sharded_state": {
         ("core/param_group.py", "__init__"),
         ("core/param_group.py", "_to_sharded_state"),
+    },
+    "comm": {("core/driver.py", "share_comm_ctx")},
+    "comm_ctx": {("core/param_group.py", "__init__"), ("core/param_group.py", "bind")},
+    "ctx": {("core/driver.py", "use_root_context")},
+    # The one flag of an asynchronous finalization, on the communication context.
+    "async_finalization": {
+        ("per_param/finalization.py", "finalize"),
+        ("per_param/finalization.py", "wait"),
+        ("per_param/state.py", "reset_iter_state"),
     },
 }
 
@@ -218,10 +232,51 @@ def _assignments() -> set[tuple[str, str, str]]:
     return found
 
 
-def test_each_state_has_one_owner():
+def test_each_state_and_the_comm_context_have_one_owner():
     strays = sorted(
         f"{module}:{function} assigns .{attr}"
         for module, function, attr in _assignments()
         if attr in OWNERS and (module, function) not in OWNERS[attr]
     )
     assert not strays
+
+
+def test_only_the_driver_binds_groups_to_a_comm_context():
+    callers = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr == "bind":  # ParamGroup.bind: no other bind in reffsdp
+                    callers.add(path.relative_to(PACKAGE).as_posix())
+    assert callers == {"core/driver.py"}
+
+
+def test_groups_use_their_state_then_their_roots_comm_context(mesh):
+    model, other = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 4)
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    fully_shard(other, mesh=mesh)
+    root, child = model._get_fsdp_state(), model[0]._get_fsdp_state()
+    model[0].unshard()  # before any root: through its own state's context
+    assert child.group.comm_ctx is child.comm_ctx is not root.comm_ctx
+    model(torch.randn(2, 4))  # lazy init: every group under the root uses the root's
+    assert child.ctx is root.ctx
+    assert {id(g.comm_ctx) for g in root.groups_under_root()} == {id(root.comm_ctx)}
+    share_comm_ctx([other, model])  # the one replacement
+    shared = other._get_fsdp_state().comm_ctx
+    assert root.comm_ctx is shared
+    assert {id(g.comm_ctx) for g in root.groups_under_root()} == {id(shared)}
+
+
+def test_sharing_refuses_a_context_an_async_finalization_holds(mesh):
+    model, other = nn.Linear(4, 4), nn.Linear(4, 4)
+    for module in (model, other):
+        fully_shard(module, mesh=mesh)
+    model.set_manual_backward_finalization(True)
+    model(torch.randn(2, 4)).sum().backward()
+    handle = model.finalize_backward(async_op=True)
+    with pytest.raises(RuntimeError, match="asynchronous finalize_backward not yet waited"):
+        share_comm_ctx([other, model])
+    handle.wait()
+    share_comm_ctx([other, model])
+    assert model._get_fsdp_state().comm_ctx is other._get_fsdp_state().comm_ctx
