@@ -139,7 +139,7 @@ class ParamGroup:
 
     @property
     def is_unsharded(self) -> bool:
-        """Whether the parameters are unsharded for compute (a summon's are not)."""
+        """Whether the parameters are unsharded for compute (a summoned group's are not)."""
         return self._sharded_state is ShardedState.UNSHARDED
 
     # -- lazy init ----------------------------------------------------------------------
@@ -179,12 +179,8 @@ class ParamGroup:
         just written the shards, so the side stream waits for it first (rule 1); so it does
         when a member wrote its shard in ``before_unshard``.
         """
-        gathered = (ShardedState.UNSHARDED, ShardedState.SUMMONED)
-        if self._all_gather is not None or self._sharded_state in gathered:
+        if self._all_gather is not None or self.is_unsharded:
             return
-        self._start_all_gather(async_op=async_op, after_compute=after_compute)
-
-    def _start_all_gather(self, *, async_op: bool = False, after_compute: bool = False) -> None:
         self.lazy_init()
         assert self.comm_ctx is not None
         wrote = [member.before_unshard() for member in self.members]
@@ -311,7 +307,7 @@ class ParamGroup:
                 for member in lower:
                     set_aside.enter_context(member.in_orig_dtype())
                 try:
-                    self._start_all_gather(after_compute=True)  # rule 1, as for unshard()
+                    self.unshard(after_compute=True)  # SUMMONED is not UNSHARDED: it gathers
                     self._copy_out_all_gather()
                     self._show_unsharded()
                     yield

@@ -46,8 +46,10 @@ A group's sharded state says which form of its parameters the module shows
    backward (the wrapper's ``summon_full_params`` and full state dicts), by
    ``ParamGroup.unsharded_in_full_precision``. A group UNSHARDED for compute in a lower
    ``param_dtype`` keeps those buffers set aside meanwhile (a pending backward's saved
-   tensors may alias them) and is UNSHARDED again when the summon ends. A reshard in the
-   summon ends it early (SUMMONED -> SHARDED); a summon in a summon is refused.
+   tensors may alias them) and is UNSHARDED again when the summon ends. A summon in a
+   summon is refused. Forward and backward do not run in a summon; one that did (its
+   gather or reshard) would end the summon early, and the summon leaves the group as it
+   found it then.
 """
 
 from __future__ import annotations
