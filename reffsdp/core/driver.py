@@ -12,13 +12,18 @@ per-parameter meshes: see [Note: per-parameter meshes] in ``reffsdp/per_param/pl
 Each step below runs for each of a state's groups, in their order, unless it says otherwise.
 
 [Note: root and lazy init]
+Every state is made with a :class:`RootContext` of its own, and the context with a
+:class:`~reffsdp.core.runtime.CommContext` (streams, in-flight reductions); the state binds
+its groups to it, so a group can gather before any root exists (an explicit ``unshard()``).
 The first state to run forward becomes the root. At that moment it finds every state in its
 module tree (the front end's walk, itself first), marks them non-root, and gives them all
-its :class:`RootContext`. The root owns the one :class:`~reffsdp.core.runtime.CommContext`
-of its tree (streams, in-flight reductions): it makes it here (a front end may hand it one
-to share) and binds every group to it. A root whose front end leaves the choice to FSDP
-keeps its parameters unsharded after forward: backward needs them at once, so resharding
-would only cost another all-gather.
+its context (:meth:`IterationDriver.use_root_context`), so every group under the root
+communicates through the root's one communication context. Only
+:meth:`IterationDriver.share_comm_ctx` (behind ``share_comm_ctx`` of several roots) replaces
+a context's communication context; the wrapper, undoing a lazy init, gives each state a
+fresh context of its own again. A root whose front end leaves the choice to FSDP keeps its
+parameters unsharded after forward: backward needs them at once, so resharding would only
+cost another all-gather.
 
 [Note: hook order]
 For a root R with one non-root N inside it, one iteration runs:
@@ -67,7 +72,7 @@ from .compile_support import install_eager_methods, run_eagerly
 from .param_group import ParamGroup, finish_backward
 from .param_group import end_backward as end_groups_backward
 from .runtime import CommContext
-from .states import TrainingState
+from .states import STATE_TRAINING, TrainingState, check_transition
 
 
 @dataclass
@@ -75,7 +80,8 @@ class RootContext:
     """What every state under one root shares (the root's; see [Note: root and lazy init])."""
 
     states: list[IterationDriver] = field(default_factory=list)  # pre-order, the root first
-    comm: CommContext | None = None  # made by the root at lazy init
+    # Made with the context; replaced only by IterationDriver.share_comm_ctx.
+    comm: CommContext = field(default_factory=CommContext)
     iter_forward_root: IterationDriver | None = None  # the state whose forward runs outermost
     final_callback_queued: bool = False
     post_optim_event: Any = None  # what the next forward's all-gathers wait for (rule 1)
@@ -96,10 +102,27 @@ class IterationDriver:
     ) -> None:
         self.groups: list[ParamGroup] = list(groups or ())
         self.device = device
-        self.ctx = ctx
         self.is_root: bool | None = None  # None until a root's lazy init
-        self.training_state = TrainingState.IDLE
+        # See [Note: state machines] in ``states``: it changes only in _to_training_state.
+        self._training_state = TrainingState.IDLE
+        self.use_root_context(ctx)
         install_eager_methods(IterationDriver)
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self._training_state
+
+    def _to_training_state(self, new: TrainingState) -> None:
+        """The one place a state's training state changes (rules 1-3 of [Note: state
+        machines] in ``states``)."""
+        check_transition(STATE_TRAINING, self._training_state, new, owner=self)
+        self._training_state = new
+
+    def _leave_forward(self) -> None:
+        """FORWARD -> IDLE. Idle already: a forward of this state nested in this one ended
+        first. Any other state: this forward ran again in backward and leaves it alone."""
+        if self._training_state is TrainingState.FORWARD:
+            self._to_training_state(TrainingState.IDLE)
 
     @property
     def group(self) -> ParamGroup | None:
@@ -115,6 +138,8 @@ class IterationDriver:
     @group.setter
     def group(self, group: ParamGroup | None) -> None:
         self.groups = [group] if group is not None else []
+        if group is not None:
+            group.bind(self.ctx.comm)
 
     # -- what a front end supplies --------------------------------------------------------
 
@@ -122,10 +147,6 @@ class IterationDriver:
         """The states in this root's tree, pre-order, this one first; refuse a tree that
         cannot run from here."""
         raise NotImplementedError
-
-    def _new_comm_ctx(self) -> CommContext:
-        """The communication context this root makes at lazy init."""
-        return CommContext()
 
     @property
     def _root_keeps_unsharded(self) -> bool:
@@ -193,23 +214,31 @@ class IterationDriver:
             state.is_root = False
         self.ctx.states = states
         for state in states:
-            state.ctx = self.ctx
-        self.use_comm_ctx(self._new_comm_ctx())
+            state.use_root_context(self.ctx)
         if self._root_keeps_unsharded:
             for group in self.groups:
                 group.configure(reshard_after_forward=False)
         self._finish_lazy_init(states)
 
-    def use_comm_ctx(self, comm: CommContext) -> None:
-        """Make ``comm`` this root's communication context and bind its groups to it."""
+    def use_root_context(self, ctx: RootContext) -> None:
+        """Join ``ctx`` (a root's at its lazy init, or a fresh one of this state's own): its
+        bookkeeping, and its communication context for this state's groups."""
+        self.ctx = ctx
+        for group in self.groups:
+            group.bind(ctx.comm)
+
+    def share_comm_ctx(self, comm: CommContext) -> None:
+        """Communicate through ``comm`` (another root's) from now on: every group sharing
+        this state's context, or this state's own before lazy init. The one place a
+        context's communication context is replaced (see [Note: root and lazy init])."""
         self.ctx.comm = comm
-        for group in self.groups_under_root():
-            group.bind(comm)
+        for state in self.ctx.states or [self]:
+            for group in state.groups:
+                group.bind(comm)
 
     @property
     def comm_ctx(self) -> CommContext:
-        """The root's communication context (after lazy init)."""
-        assert self.ctx.comm is not None, f"{self}: no communication context before lazy init"
+        """The communication context of this state's context (the root's after lazy init)."""
         return self.ctx.comm
 
     def groups_under_root(self) -> list[ParamGroup]:
@@ -230,7 +259,7 @@ class IterationDriver:
         if self.ctx.iter_forward_root is None:
             self.ctx.iter_forward_root = self
             args, kwargs = self._root_pre_forward(args, kwargs)
-        self.training_state = TrainingState.FORWARD
+        self._to_training_state(TrainingState.FORWARD)
         args, kwargs = self._cast(self._input_dtype(), (args, kwargs))
         if self.groups:
             args, kwargs = self._group_pre_forward(module, args, kwargs)
@@ -262,7 +291,7 @@ class IterationDriver:
         if self.groups and self._leaves_group(module):
             self._group_post_forward()
         output = register_pre_backward(self._pre_backward, output, owner=repr(self))
-        self.training_state = TrainingState.IDLE
+        self._leave_forward()
         if self.ctx.iter_forward_root is self:
             self._end_forward_root()
             self.ctx.iter_forward_root = None
@@ -280,7 +309,7 @@ class IterationDriver:
 
     @run_eagerly  # see [Note: FSDP work runs outside compiled graphs]
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        self.training_state = TrainingState.PRE_BACKWARD
+        self._to_training_state(TrainingState.PRE_BACKWARD)
         ctx = self.ctx
         if not ctx.final_callback_queued:
             ctx.final_callback_queued = True
@@ -306,7 +335,7 @@ class IterationDriver:
             groups = [group for state in ctx.states for group in reversed(state.groups)]
             end_groups_backward(groups, self.comm_ctx, last=False, defer_reductions=manual)
             for state in ctx.states:
-                state.training_state = TrainingState.IDLE
+                state._to_training_state(TrainingState.IDLE)
                 state._after_backward()
             if ctx.is_last_backward and not manual:
                 self.end_iteration()

@@ -35,7 +35,7 @@ from .collectives import AllGatherResult, CustomReduction, ReduceSpec
 from .member import GroupMember
 from .mesh import MeshInfo
 from .runtime import CommContext
-from .states import ShardedState, TrainingState, check_transition
+from .states import GROUP_SHARDING, GROUP_TRAINING, ShardedState, TrainingState, check_transition
 from .streams import backend_for
 
 
@@ -91,9 +91,10 @@ class ParamGroup:
         self._mp_dtypes = (param_dtype, reduce_dtype)
         # reshard_after_forward=k: a mesh whose shard dim groups k ranks (see unshard()).
         self.post_forward_mesh_info = post_forward_mesh_info
-        self.comm_ctx: CommContext | None = None  # bound by the root (see bind())
+        self.comm_ctx: CommContext | None = None  # bound by its state (see bind())
+        # See [Note: state machines] in ``states``: each changes only in its _to_ method.
         self._training_state = TrainingState.IDLE
-        self.sharded_state = ShardedState.SHARDED
+        self._sharded_state = ShardedState.SHARDED
         self._all_gather: AllGatherResult | None = None
         self._partial_reduce = collectives.PartialReduce()
         # HSDP: the last reduction issued parks its output in ``_partial_reduce`` (all-reduce
@@ -112,21 +113,34 @@ class ParamGroup:
         self.settings = dataclasses.replace(self.settings, **changes)
 
     def bind(self, comm_ctx: CommContext) -> None:
-        """Use the root's communication context (streams, in-flight reductions)."""
+        """Use this communication context (streams, in-flight reductions): its state's, and
+        its root's once the root's lazy init ran (the state's driver binds it)."""
         self.comm_ctx = comm_ctx
+
+    # -- states (see [Note: state machines] in ``states``) ------------------------------
 
     @property
     def training_state(self) -> TrainingState:
         return self._training_state
 
-    def _transition(self, new: TrainingState) -> None:
+    def _to_training_state(self, new: TrainingState) -> None:
         """The one place a group's training state changes."""
-        check_transition(self._training_state, new, owner=repr(self))
+        check_transition(GROUP_TRAINING, self._training_state, new, owner=self)
         self._training_state = new
 
     @property
+    def sharded_state(self) -> ShardedState:
+        return self._sharded_state
+
+    def _to_sharded_state(self, new: ShardedState) -> None:
+        """The one place a group's sharding changes."""
+        check_transition(GROUP_SHARDING, self._sharded_state, new, owner=self)
+        self._sharded_state = new
+
+    @property
     def is_unsharded(self) -> bool:
-        return self.sharded_state is ShardedState.UNSHARDED
+        """Whether the parameters are unsharded for compute (a summoned group's are not)."""
+        return self._sharded_state is ShardedState.UNSHARDED
 
     # -- lazy init ----------------------------------------------------------------------
 
@@ -233,12 +247,15 @@ class ParamGroup:
         self._show_unsharded()
 
     def _finish_all_gather(self) -> None:
+        self._copy_out_all_gather()
+        self._to_sharded_state(ShardedState.UNSHARDED)
+
+    def _copy_out_all_gather(self) -> None:
         assert self._all_gather is not None and self.comm_ctx is not None
         result, self._all_gather = self._all_gather, None
         collectives.foreach_all_gather_copy_out(result, self.members)
         if not result.in_place:  # a member's own buffer stays with the member
             self.comm_ctx.all_gather_stream(self.device).consumed(result.output)
-        self.sharded_state = ShardedState.UNSHARDED
 
     def _show_unsharded(self) -> None:
         for member in self.members:
@@ -251,7 +268,7 @@ class ParamGroup:
             return
         for member in self.members:
             member.to_sharded()
-        self.sharded_state = ShardedState.SHARDED
+        self._to_sharded_state(ShardedState.SHARDED)
 
     def _reshard_post_forward(self) -> None:
         if not self.is_unsharded:
@@ -260,13 +277,14 @@ class ParamGroup:
         assert info is not None
         for member in self.members:
             member.to_sharded_post_forward(info.shard_rank, info.shard_size)
-        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+        self._to_sharded_state(ShardedState.SHARDED_POST_FORWARD)
 
     @contextlib.contextmanager
     def unsharded_in_full_precision(self) -> Iterator[None]:
-        """Show the parameters unsharded in their original dtype for the duration, then
-        reshard: the full values a user or a state dict reads and writes outside forward
-        and backward (the wrapper's ``summon_full_params`` and full state dicts).
+        """Show the parameters unsharded in their original dtype for the duration (the
+        group is ``SUMMONED``: rule 5 of [Note: state machines] in ``states``), then go back
+        to where it was: the full values a user or a state dict reads and writes outside
+        forward and backward (the wrapper's ``summon_full_params`` and full state dicts).
 
         A member that computes in a lower ``param_dtype`` gathers in its original dtype
         into buffers of its own (``GroupMember.in_orig_dtype``): its compute-dtype buffers,
@@ -276,27 +294,31 @@ class ParamGroup:
         the group idle.
         """
         self.lazy_init()
-        lower = [member for member in self.members if member.param_dtype is not None]
-        if self.is_unsharded and not lower:
-            yield
-            return
-        was_unsharded = self.is_unsharded
-        if was_unsharded:  # the compute-dtype buffers stay allocated, set aside below
-            self.sharded_state = ShardedState.SHARDED
-        else:
+        if self._sharded_state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
             self.reshard()  # drops a compute-dtype prefetch nobody waited for
+        was = self._sharded_state  # SHARDED, or UNSHARDED since forward
+        self._to_sharded_state(ShardedState.SUMMONED)  # a summon in a summon stops here
+        lower = [member for member in self.members if member.param_dtype is not None]
         try:
+            if was is ShardedState.UNSHARDED and not lower:  # full precision already
+                yield
+                return
             with contextlib.ExitStack() as set_aside:
                 for member in lower:
                     set_aside.enter_context(member.in_orig_dtype())
                 try:
-                    self.unshard_and_show(after_compute=True)
+                    self.unshard(after_compute=True)  # SUMMONED is not UNSHARDED: it gathers
+                    self._copy_out_all_gather()
+                    self._show_unsharded()
                     yield
                 finally:
-                    self.reshard()  # frees the full-precision buffers
+                    self._drop_unconsumed_all_gather()
+                    if self._sharded_state is ShardedState.SUMMONED:
+                        for member in self.members:
+                            member.to_sharded()  # frees the full-precision buffers
         finally:
-            if was_unsharded:
-                self.sharded_state = ShardedState.UNSHARDED
+            if self._sharded_state is ShardedState.SUMMONED:  # not ended early (rule 5)
+                self._to_sharded_state(was)
 
     def _drop_unconsumed_all_gather(self) -> None:
         if self._all_gather is not None:  # a prefetch nobody waited for
@@ -306,7 +328,7 @@ class ParamGroup:
     # -- forward ------------------------------------------------------------------------
 
     def pre_forward(self) -> None:
-        self._transition(TrainingState.FORWARD)
+        self._to_training_state(TrainingState.FORWARD)
         self.unshard_and_show()
 
     def post_forward(self, *, backward_follows: bool = True) -> None:
@@ -316,7 +338,7 @@ class ParamGroup:
                 self._reshard_post_forward()
             else:
                 self.reshard()
-        self._transition(TrainingState.IDLE)
+        self._to_training_state(TrainingState.IDLE)
 
     # -- backward -----------------------------------------------------------------------
 
@@ -324,7 +346,7 @@ class ParamGroup:
         """Make the parameters available for backward (no-op if already done this pass)."""
         if self._training_state is TrainingState.PRE_BACKWARD:
             return
-        self._transition(TrainingState.PRE_BACKWARD)
+        self._to_training_state(TrainingState.PRE_BACKWARD)
         if self.settings.unshard_in_backward:
             self.unshard()
             self.wait_for_unshard()
@@ -341,7 +363,7 @@ class ParamGroup:
 
     def post_backward(self) -> None:
         """Reduce this backward's gradients (or keep them, with gradient sync off)."""
-        self._transition(TrainingState.POST_BACKWARD)
+        self._to_training_state(TrainingState.POST_BACKWARD)
         settings = self.settings
         self._post_backward_pending = not settings.reduce_grads
         if not settings.reduce_grads:
@@ -421,7 +443,7 @@ class ParamGroup:
                 self._post_backward_pending = True
             else:
                 self.post_backward()
-        self._transition(TrainingState.IDLE)
+        self._to_training_state(TrainingState.IDLE)
 
     def finish_deferred_backward(self) -> None:
         """When the caller finalizes backward: run the post-backward left pending (reduce
@@ -430,7 +452,7 @@ class ParamGroup:
             self.post_backward()
         elif self.settings.reshard_after_backward:
             self.reshard()
-        self._transition(TrainingState.IDLE)
+        self._to_training_state(TrainingState.IDLE)
 
     def finalize_backward(self) -> None:
         """End of the last backward: drop a prefetch that was never consumed."""
@@ -444,7 +466,7 @@ class ParamGroup:
         self._partial_reduce = collectives.PartialReduce()
         self._partial_reduce_pending = False
         self._post_backward_pending = False
-        self._transition(TrainingState.IDLE)
+        self._to_training_state(TrainingState.IDLE)
 
 
 def end_backward(

@@ -24,8 +24,9 @@ are done (e.g. a pipeline schedule in which reducing gradients is an action of i
    ``reset_iter_state()`` on the owning root drops the wait, and ``wait()`` then raises.
 
 The state the mode needs lives on the root's ``StateContext`` (the mode asked for and the
-mode latched, which the core driver reads, and an asynchronous finalization not yet waited
-for) and, for rule 4 across roots, on the shared ``RootCommContext``.
+mode latched, which the core driver reads) and, for rule 4, on the root's
+``RootCommContext``, which every root sharing it sees: the asynchronous finalization not
+yet waited for, with the context of the root that started it.
 """
 
 from __future__ import annotations
@@ -73,7 +74,6 @@ def finalize(state: FSDPState, *, async_op: bool) -> AsyncFinalization | None:
         return None
     finalization = AsyncFinalization(state.ctx)
     state.comm_ctx.async_finalization = finalization
-    state.ctx.finalization_pending = True
     return finalization
 
 
@@ -85,19 +85,19 @@ def wait(state: FSDPState, finalization: AsyncFinalization) -> None:
             "gradients were discarded"
         )
     state.end_iteration()
-    state.ctx.finalization_pending = False
     state.comm_ctx.async_finalization = None
 
 
 def _check_can_finalize(state: FSDPState, async_op: bool) -> None:
     """Refuse a finalization at the wrong time or place, naming what is wrong."""
     ctx, comm = state.ctx, state.comm_ctx
-    if ctx.finalization_pending:
+    held_by = comm.async_finalization
+    if held_by is not None and held_by.owner is ctx:
         raise RuntimeError(
             "finalize_backward: the previous gradient reduction must be waited on before "
             "finalizing backward again (call wait() on its handle)"
         )
-    if comm.async_finalization is not None:
+    if held_by is not None:
         raise RuntimeError(
             "finalize_backward: another gradient reduction sharing this communication "
             "context (share_comm_ctx) must be waited on before finalizing backward"

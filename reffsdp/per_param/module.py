@@ -17,7 +17,6 @@ import torch.nn as nn
 
 from ..core import comms
 from ..core.param_group import ParamGroup
-from ..core.runtime import CommContext
 from . import finalization, symm_mem
 from .state import AsyncFinalization, FSDPState, state_of
 
@@ -99,10 +98,8 @@ class FSDPModule:
         _check_bool("unshard", async_op=async_op)
         groups = self._groups()
         for group in groups:
-            if group.comm_ctx is None:
-                # Before the first forward there is no root yet: the group gathers on a
-                # context of its own, which the root's lazy init replaces.
-                group.bind(CommContext())
+            # Before the first forward the group gathers through its state's own context
+            # (see [Note: root and lazy init] in reffsdp/core/driver.py).
             group.unshard(async_op=async_op, after_compute=True)
         handle = _GroupUnshardHandle(groups)
         if async_op:
@@ -415,9 +412,15 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     for module in modules:
         if not isinstance(module, FSDPModule):
             raise ValueError(f"share_comm_ctx expects FSDPModules, got {type(module).__name__}")
-    shared = modules[0]._get_fsdp_state().comm_ctx_for_sharing()
+    shared = modules[0]._get_fsdp_state().comm_ctx
     for module in modules[1:]:
-        module._get_fsdp_state().adopt_comm_ctx(shared)
+        state = module._get_fsdp_state()
+        if state.comm_ctx is not shared and state.comm_ctx.async_finalization is not None:
+            raise RuntimeError(
+                f"share_comm_ctx: {state} has an asynchronous finalize_backward not yet "
+                "waited on; call wait() on its handle before sharing its context"
+            )
+        state.share_comm_ctx(shared)
 
 
 for _obj in (

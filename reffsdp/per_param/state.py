@@ -42,7 +42,7 @@ of the final callback (see [Note: manual backward finalization] in ``finalizatio
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,15 +63,6 @@ def state_of(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get(_STATE_KEY)
 
 
-@dataclass
-class StateContext(RootContext):
-    """A root's shared bookkeeping, with whether an asynchronous finalization still waits
-    for its handle's ``wait()`` (see [Note: manual backward finalization] in
-    ``finalization``)."""
-
-    finalization_pending: bool = False
-
-
 @dataclass(eq=False)
 class AsyncFinalization:
     """One ``finalize_backward(async_op=True)`` whose handle has not waited yet; what to do
@@ -83,9 +74,18 @@ class AsyncFinalization:
 @dataclass
 class RootCommContext(CommContext):
     """A root's communication context, shared by the roots ``share_comm_ctx`` names, with
-    the asynchronous finalization that still holds it (one at a time)."""
+    the asynchronous finalization that still holds it (one at a time; see [Note: manual
+    backward finalization] in ``finalization``)."""
 
     async_finalization: AsyncFinalization | None = None
+
+
+@dataclass
+class StateContext(RootContext):
+    """A root's shared bookkeeping; its communication context can hold an asynchronous
+    finalization."""
+
+    comm: RootCommContext = field(default_factory=RootCommContext)
 
 
 class FSDPState(IterationDriver):
@@ -108,8 +108,6 @@ class FSDPState(IterationDriver):
         # set_allocate_memory_from_process_group_for_comm(True), which rules out symmetric
         # memory (see [Note: symmetric memory] in symm_mem).
         self.allocating_from_process_group = False
-        # Set by share_comm_ctx before lazy init: the context this root adopts.
-        self.shared_comm_ctx: RootCommContext | None = None
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] = []
         # Positions of this state in ``ctx.post_forward_order`` (see [Note: prefetch policy]).
@@ -145,9 +143,6 @@ class FSDPState(IterationDriver):
                 )
         return states
 
-    def _new_comm_ctx(self) -> RootCommContext:
-        return self.shared_comm_ctx or RootCommContext()
-
     @property
     def _root_keeps_unsharded(self) -> bool:
         return self.auto_reshard_root
@@ -158,26 +153,15 @@ class FSDPState(IterationDriver):
         for group in self.groups_under_root():
             group.lazy_init()
 
-    def comm_ctx_for_sharing(self) -> RootCommContext:
-        """This root's context, made now if lazy init has not run (``share_comm_ctx``)."""
-        if self.ctx.comm is not None:
-            return self.ctx.comm
-        if self.shared_comm_ctx is None:
-            self.shared_comm_ctx = RootCommContext()
-        return self.shared_comm_ctx
-
-    def adopt_comm_ctx(self, comm: RootCommContext) -> None:
-        """Use another root's context (``share_comm_ctx``), now or at lazy init."""
-        if self.ctx.comm is not None:
-            self.use_comm_ctx(comm)
-        else:
-            self.shared_comm_ctx = comm
+    @property
+    def comm_ctx(self) -> RootCommContext:
+        """The communication context of this state's context (the root's after lazy init)."""
+        return self.ctx.comm
 
     # -- forward --------------------------------------------------------------------------
 
     def _before_forward(self) -> None:
-        comm = self.ctx.comm or self.shared_comm_ctx
-        if self.ctx.finalization_pending or (comm is not None and comm.async_finalization):
+        if self.comm_ctx.async_finalization is not None:
             raise RuntimeError(
                 f"{self}: forward started while an asynchronous finalize_backward is not "
                 "finished; the previous gradient reduction must be waited on before forward "
@@ -225,7 +209,7 @@ class FSDPState(IterationDriver):
             if state._modules_in_forward:
                 state._modules_in_forward.clear()
                 state._group_post_forward()
-                state.training_state = TrainingState.IDLE
+                state._leave_forward()
 
     # -- state dict hooks -----------------------------------------------------------------
 
@@ -281,7 +265,7 @@ class FSDPState(IterationDriver):
         comm.discard_reduces()
         self.ctx.post_forward_order.clear()
         for state in self.ctx.states:
-            state.training_state = TrainingState.IDLE
+            state._to_training_state(TrainingState.IDLE)
             state._modules_in_forward.clear()
             state._post_forward_indices.clear()
             for group in state.groups:
@@ -289,7 +273,6 @@ class FSDPState(IterationDriver):
         self.ctx.iter_forward_root = None
         self.ctx.final_callback_queued = False
         self.ctx.manual_finalization_active = None
-        self.ctx.finalization_pending = False
         comm.async_finalization = None
 
 

@@ -407,8 +407,7 @@ class FullyShardedDataParallel(nn.Module):
         try:
             output = self._fsdp_wrapped_module(*args, **kwargs)
         finally:
-            if state.training_state is TrainingState.FORWARD:  # idle again after an error too
-                state.training_state = TrainingState.IDLE
+            state._leave_forward()  # idle again after an error too
         return state._post_forward(self, args, output)
 
     # -- communication hooks ------------------------------------------------------------

@@ -223,7 +223,7 @@ class WrapperState(IterationDriver):
         forward may run from another root later)."""
         for state in states_under(self.module):
             state.is_root = None
-            state.ctx = WrapperRootContext()
+            state.use_root_context(WrapperRootContext())
             if state.group is not None and state.strategy in RESHARD_AFTER_FORWARD:
                 state.group.configure(reshard_after_forward=True)  # the root had turned it off
 
