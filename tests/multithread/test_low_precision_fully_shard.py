@@ -34,6 +34,7 @@ from reffsdp.testing.expected_comms import (
     expected_per_step,
     ring_bytes,
 )
+from reffsdp.testing.impls import load_implementation
 from reffsdp.testing.inputs import random_inputs, random_tokens
 from reffsdp.testing.low_precision import (
     Float8GatherReference,
@@ -175,17 +176,17 @@ def _sent_per_rank(counter: CommCounter, shape: StepShape) -> tuple[dict[str, fl
     "name", ["fully_shard/1d/fp8-gather/mlp", "fully_shard/hsdp/fp8-gather/transformer"]
 )
 def test_the_fp8_gather_scenarios_pass_under_torchs_fully_shard_which_sends_the_bytes_expected(
-    monkeypatch, name
+    name,
 ):
     """The scenario as the suite builds it, with torch's ``fully_shard`` in reffsdp's place:
     its numbers agree with the reference within the default tolerances, and one more step
     issues the collectives, and sends the bytes, that ``expected_per_step`` computes from
     the hooks' inputs."""
     (spec,) = [s for s in all_specs() if s.name == name]
-    monkeypatch.setattr(reffsdp, "fully_shard", torch_fully_shard)
+    torch_impl = load_implementation("torch")
 
     def on_rank(rank: int) -> None:
-        built = build_scenario(spec, torch.device("cpu"))
+        built = build_scenario(spec, torch.device("cpu"), torch_impl)
         kwargs = built.check_kwargs
         losses = check_train_parity(
             None, built.ref_model, built.model, built.make_inputs, num_steps=3, **kwargs

@@ -493,7 +493,7 @@ def test_every_collective_reports_to_the_comm_counter(monkeypatch):
     monkeypatch.setattr(
         comm_counter,
         "record_collective",
-        lambda kind, nbytes: seen.append((dist.get_rank(), kind, nbytes)),
+        lambda kind, nbytes, group=None: seen.append((dist.get_rank(), kind, nbytes)),
     )
 
     def issue(rank: int) -> None:
