@@ -126,9 +126,14 @@ def _tamper(call: GroupCall, tamper: Tamper) -> Any:
 
 
 def _single(original: Callable[..., Any], tamper: Tamper) -> Callable[..., Any]:
-    """A group method ``(output, input, options)`` that runs through ``tamper``."""
+    """A group method ``(output, input, options)`` that runs through ``tamper`` where it
+    carries floating-point data, unchanged elsewhere: from torch 2.15 ``all_gather_object``
+    gathers its pickled bytes (and their sizes) with the tensor form too."""
 
     def method(group: Any, output: torch.Tensor, input: torch.Tensor, *options: Any) -> Any:
+        if not output.is_floating_point():
+            return original(group, output, input, *options)
+
         def issue(sent: torch.Tensor) -> Any:
             return original(group, output, sent, *options)
 

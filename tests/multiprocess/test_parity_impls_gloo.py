@@ -10,10 +10,9 @@ import json
 import pytest
 
 import reffsdp.testing.__main__ as cli
+from tests.multithread.test_parity_impls import NO_ACCELERATOR
 
 pytestmark = pytest.mark.multiprocess
-
-NO_ACCELERATOR = "RuntimeError: Cannot access accelerator device when none is available."
 
 
 def _statuses(path) -> dict[str, tuple[str, str]]:

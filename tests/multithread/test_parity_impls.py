@@ -39,7 +39,20 @@ TORCH_SUBSET = (
     "wrapper/1d/offload/transformer",
     "naive/1d/fp32/mlp",
 )
-NO_ACCELERATOR = "RuntimeError: Cannot access accelerator device when none is available."
+
+
+def _pinning_refusal() -> str:
+    """What this torch raises when asked to pin memory without an accelerator, as torch's
+    FSDP does for CPU offload: a CPU build and a CUDA build on a machine without a GPU word
+    it differently."""
+    try:
+        torch.empty(1).pin_memory()
+    except RuntimeError as error:
+        return f"RuntimeError: {error}".strip()
+    return "(this machine pins memory)"
+
+
+NO_ACCELERATOR = _pinning_refusal()
 
 
 def _by_name(results):
