@@ -149,7 +149,7 @@ class _ThreadCounters(threading.local):
     """The counters open on this thread, innermost last, and the dispatch in progress."""
 
     def __init__(self) -> None:
-        self.open: list[CommCounter] = []
+        self.open: list[_OpenOnThisThread] = []
         self.dispatch_depth = 0
 
 
@@ -169,7 +169,23 @@ def record_collective(kind: Collective, nbytes: int, group: Any = None) -> None:
         counter._add(kind, nbytes, group)
 
 
-class CommCounter(TorchDispatchMode):
+class _OpenOnThisThread(TorchDispatchMode):
+    """A dispatch mode that also hears :func:`record_collective` on its thread while open
+    (through its ``_add``)."""
+
+    def __enter__(self):
+        super().__enter__()
+        _this_thread.open.append(self)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            _this_thread.open.remove(self)
+        finally:
+            super().__exit__(*exc_info)
+
+
+class CommCounter(_OpenOnThisThread):
     """Count the collectives issued on this thread while the context is open.
 
     Counts and bytes start from zero on every entry. See [Note: two ways in] for what is
@@ -187,15 +203,7 @@ class CommCounter(TorchDispatchMode):
         self._counts.clear()
         self._bytes.clear()
         self._sequence.clear()
-        super().__enter__()
-        _this_thread.open.append(self)
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        try:
-            _this_thread.open.remove(self)
-        finally:
-            super().__exit__(*exc_info)
+        return super().__enter__()
 
     def get_comm_counts(self) -> Counter[Collective]:
         """Collectives per kind; kinds never seen read as 0."""
@@ -246,7 +254,7 @@ class CommCounter(TorchDispatchMode):
         return result
 
 
-class IssuedCollectives(TorchDispatchMode):
+class IssuedCollectives(_OpenOnThisThread):
     """Call ``observer(kind, nbytes, group_size)`` at each collective that this thread
     issues through ``torch.distributed`` while the context is open (see [Note: the
     collectives an implementation issues]); ``nbytes`` follows [Note: what nbytes means].
@@ -256,17 +264,6 @@ class IssuedCollectives(TorchDispatchMode):
         super().__init__()
         self._observer = observer
         self._packets = _packet_table()
-
-    def __enter__(self) -> IssuedCollectives:
-        super().__enter__()
-        _this_thread.open.append(self)
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        try:
-            _this_thread.open.remove(self)
-        finally:
-            super().__exit__(*exc_info)
 
     def _add(self, kind: Collective, nbytes: int, group: Any = None) -> None:
         """A collective of the threaded group (reported through :func:`record_collective`)."""
